@@ -1,0 +1,168 @@
+"""Frozen dispatch: the serving hot path, resolved once from a manifest.
+
+Why freeze: a call that consults a manager, a policy, a lock or a logger cannot be traced
+by Dynamo without graph breaks, and every choice made at call time is a choice that can
+differ between processes. So, as in vllm-plugin-FL's freeze PR, all selection happens once,
+before the first trace: the manifest (built from the calibration DB by ``fltune freeze``)
+becomes a table per op — (dtype, trailing shape) -> band edges and implementations — and a
+frozen call is one dict lookup, a bisect over a handful of band edges (only where the op's
+bands pick different implementations), and ``impl.fn(*args)``. No fallback on this path:
+the manifest was parity-checked when it was measured.
+
+Bands are looked up by the leading dimension of the op's key argument (rows), which is the
+token count times ``rows_per_token`` (q/k norms run per head).
+
+While frozen, policy changes raise; ``thaw_dispatch()`` (or ``reset_default_manager()``)
+thaws; a forked child starts unfrozen, because the parent's choice may not hold for the
+child's device and a stale table must never be inherited silently.
+"""
+from __future__ import annotations
+
+import bisect
+import copy
+import hashlib
+import json
+import os
+import threading
+from typing import Optional
+
+MANIFEST_FORMAT = "fltune.manifest/1"
+
+
+class DispatchFrozenError(RuntimeError):
+    pass
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the file/problem and the fix."""
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def fingerprint_of(manifest: dict) -> str:
+    """sha256 over the canonical JSON of everything but the fingerprint itself."""
+    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
+
+
+def verify_manifest(manifest: dict, source: str = "manifest") -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        raise ManifestError(f"{source}: not an fltune manifest (format "
+                            f"{manifest.get('format') if isinstance(manifest, dict) else '?'!r}, "
+                            f"expected {MANIFEST_FORMAT!r}); make one with `fltune freeze`")
+    want = manifest.get("fingerprint")
+    got = fingerprint_of(manifest)
+    if want != got:
+        raise ManifestError(f"{source}: fingerprint mismatch (recorded {str(want)[:12]}, content "
+                            f"{got[:12]}): the file was edited after freezing; re-run "
+                            f"`fltune freeze` instead of editing it")
+
+
+def load_manifest(path: str) -> dict:
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"manifest {path} not found; create it with `fltune freeze --db "
+                            f"DB --out {path}`") from None
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"manifest {path} is not valid JSON ({e}); re-create it with "
+                            f"`fltune freeze`") from None
+    verify_manifest(m, path)
+    return m
+
+
+class FrozenDispatch:
+    def __init__(self, manifest: dict, registry):
+        from ..ops import OPS, dtype_from_name
+
+        verify_manifest(manifest)
+        self.manifest = copy.deepcopy(manifest)
+        self.fingerprint = manifest["fingerprint"]
+        self._tables: dict = {}
+        self._fallback: dict = {}
+        self._key_arg: dict = {}
+        self.calls: dict = {}      # (op, impl_id) -> count; only when counting is on
+        for op_name, entry in manifest["ops"].items():
+            if op_name not in OPS:
+                raise ManifestError(f"manifest names op {op_name!r}, which this fltune does "
+                                    f"not know; freeze again with this version")
+            self._key_arg[op_name] = OPS[op_name].key_arg
+            table = {}
+            for t in entry["tables"]:
+                impls = [registry.get(op_name, b["impl_id"]) for b in t["bands"]]
+                his = tuple(b["hi"] * t["rows_per_token"] for b in t["bands"])
+                table[(dtype_from_name(t["dtype"]), tuple(t["trailing"]))] = (
+                    his[:-1], tuple(impls))
+            self._tables[op_name] = table
+            self._fallback[op_name] = registry.get(op_name, entry["fallback"])
+
+    def select(self, op_name: str, *args):
+        """The implementation the frozen table picks for these arguments."""
+        x = args[self._key_arg[op_name]]
+        hit = self._tables[op_name].get((x.dtype, tuple(x.shape[1:])))
+        if hit is None:
+            return self._fallback[op_name]
+        edges, impls = hit
+        if not edges:
+            return impls[0]
+        return impls[bisect.bisect_left(edges, x.shape[0])]
+
+    def call(self, op_name: str, *args):
+        return self.select(op_name, *args).fn(*args)
+
+    def ops(self):
+        return list(self._tables)
+
+
+_state_lock = threading.Lock()
+_frozen: Optional[FrozenDispatch] = None
+
+
+def current() -> Optional[FrozenDispatch]:
+    return _frozen
+
+
+def freeze_dispatch(manifest: dict, registry=None) -> FrozenDispatch:
+    """Resolve every op of ``manifest`` once and install the table process-wide."""
+    global _frozen
+    if registry is None:
+        from .manager import get_default_manager
+        registry = get_default_manager().registry
+    fd = FrozenDispatch(manifest, registry)
+    with _state_lock:
+        _frozen = fd
+    return fd
+
+
+def thaw_dispatch() -> None:
+    global _frozen
+    with _state_lock:
+        _frozen = None
+
+
+def is_dispatch_frozen() -> bool:
+    return _frozen is not None
+
+
+def get_frozen_dispatch_manifest() -> Optional[dict]:
+    fd = _frozen
+    return copy.deepcopy(fd.manifest) if fd is not None else None
+
+
+def ensure_mutable(what: str) -> None:
+    if _frozen is not None:
+        raise DispatchFrozenError(f"cannot {what} while dispatch is frozen (fingerprint "
+                                  f"{_frozen.fingerprint[:12]}); call thaw_dispatch() or "
+                                  f"reset_default_manager() first")
+
+
+def _reset_after_fork():
+    global _frozen, _state_lock
+    _state_lock = threading.Lock()
+    _frozen = None
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,87 @@
+"""Core dispatch types, API-compatible with vllm-plugin-FL's ``dispatch/types.py``.
+
+An :class:`OpImpl` is one candidate implementation of one op. FL's three kinds and their
+priorities stay exactly as FL has them, so that fltune can reproduce FL's fixed order as a
+baseline and show, side by side, what measuring buys over it.
+
+fltune's extra PyTorch candidates (``torch`` fused ops and ``inductor``) are of kind
+REFERENCE — they are PyTorch, no vendor code — with priorities *below* FL's reference (50).
+FL has no such candidates, so ranking them last keeps the FL order's pick identical to what
+vllm-plugin-FL itself would pick; measurement is what promotes them when they are faster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Optional
+
+
+class BackendImplKind(str, Enum):
+    DEFAULT = "default"      # FlagGems (FL: "flagos")
+    VENDOR = "vendor"        # vendor kernels: vLLM's own _C ops (CUDA or CPU build)
+    REFERENCE = "reference"  # PyTorch
+
+    @property
+    def priority(self) -> int:
+        return {"default": 150, "vendor": 100, "reference": 50}[self.value]
+
+
+#: FL's spelling for the DEFAULT kind in policies (``VLLM_FL_PREFER=flagos``)
+PREFER_TOKENS = {"flagos": BackendImplKind.DEFAULT, "default": BackendImplKind.DEFAULT,
+                 "vendor": BackendImplKind.VENDOR, "reference": BackendImplKind.REFERENCE}
+
+
+@dataclass(frozen=True)
+class QualifyContext:
+    """Device-neutral facts a candidate qualifies on (never a measured time)."""
+
+    device_type: str                      # "cuda" | "cpu"
+    dtype: Any                            # torch.dtype
+    capability: Optional[tuple] = None    # CUDA compute capability
+
+
+@dataclass
+class OpImpl:
+    """One candidate: FL's fields plus the backend it comes from and a qualification rule.
+
+    ``fn`` follows the op's contract (``fltune.ops``) exactly; ``qualify(ctx)`` returns
+    ``None`` when the candidate can run in that context, else the reason it cannot —
+    the reason is shown by ``fltune candidates`` and stored in the calibration DB.
+    """
+
+    op_name: str
+    impl_id: str
+    kind: BackendImplKind
+    fn: Callable[..., Any]
+    vendor: Optional[str] = None
+    priority: Optional[int] = None
+    backend: str = ""
+    qualify: Callable[[QualifyContext], Optional[str]] = field(
+        default=lambda ctx: None, repr=False)
+    #: declared precision rank (lower = more precise), breaks exact ties only
+    precision_rank: int = 0
+
+    def __post_init__(self):
+        self.kind = BackendImplKind(self.kind)
+        if self.priority is None:
+            self.priority = self.kind.priority
+        if self.kind is BackendImplKind.VENDOR and not self.vendor:
+            raise ValueError(f"{self.impl_id}: a VENDOR implementation must name its vendor")
+
+    def is_available(self, ctx: Optional[QualifyContext] = None) -> bool:
+        return self.qualify(ctx or default_context()) is None
+
+    @property
+    def callable_path(self) -> str:
+        """Where ``fn`` lives, for manifests and reports."""
+        fn = self.fn
+        return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def default_context(dtype=None) -> QualifyContext:
+    import torch
+
+    if torch.cuda.is_available():
+        return QualifyContext("cuda", dtype or torch.bfloat16,
+                              torch.cuda.get_device_capability())
+    return QualifyContext("cpu", dtype or torch.bfloat16)

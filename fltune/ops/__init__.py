@@ -1,0 +1,17 @@
+"""The ops fltune selects implementations for, each an :class:`OpSpec` (see ``base``)."""
+from __future__ import annotations
+
+from . import activation, norm, rotary
+from .base import DTYPE_NAMES, DTYPES, OpSpec, clone_args, dtype_from_name
+
+OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS)}
+
+
+def get_op(name: str) -> OpSpec:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(OPS)}") from None
+
+
+__all__ = ["OPS", "OpSpec", "get_op", "clone_args", "dtype_from_name", "DTYPES", "DTYPE_NAMES"]

@@ -1,0 +1,102 @@
+"""The op contract: what every candidate of one op must compute, and how we check it.
+
+An :class:`OpSpec` is the single description of an op that every later stage reads:
+the backends adapt to its calling convention, parity compares against its reference,
+the workload builds its inputs, and the report divides its bytes by measured time.
+Keeping all of that in one object is what lets a new op be added in one module.
+
+Calling convention (vLLM's, exactly): a candidate is called as ``fn(*args)`` with the
+tensors and scalars :meth:`OpSpec.make_inputs` produced. Ops that vLLM runs in place
+(``fused_add_rms_norm``, ``rotary_embedding``) must mutate the named arguments; the
+others must leave their inputs untouched. Either way the op's ``outputs`` function picks
+the tensors that parity compares, from the call's arguments and return value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+#: Per-dtype relative tolerance, FlagGems' table (tests/accuracy_utils.py), used as both
+#: rtol and atol scale: an element passes when |out - ref| <= atol + rtol * |ref|.
+RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1.3e-6}
+#: absolute floor: values near zero are judged against the output's scale, not zero.
+ATOL_SCALE = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
+    """'bf16' / 'bfloat16' / torch.bfloat16 -> torch.bfloat16, with a clear error."""
+    if isinstance(name, torch.dtype):
+        return name
+    aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+               "float": "fp32"}
+    key = aliases.get(str(name).lower(), str(name).lower())
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op's contract.
+
+    ``dims`` are the model facts the op needs besides the token count (hidden size,
+    head counts, ...): a plain dict of ints/floats/bools/tuples, so it can be hashed into a
+    shape signature and stored in the DB as JSON.
+    """
+
+    name: str
+    #: the computation in fp32 math with vLLM's semantics; run on fp64 copies it is the
+    #: high-precision reference for parity, run as is it is the REFERENCE candidate.
+    reference: Callable[..., Any]
+    #: (n_tokens, dims, dtype, device, generator) -> list of call arguments
+    make_inputs: Callable[[int, dict, torch.dtype, str, torch.Generator], list]
+    #: (args after the call, return value) -> tensors to compare, in a fixed order
+    outputs: Callable[[list, Any], Sequence[torch.Tensor]]
+    #: (n_tokens, dims, dtype) -> bytes the op must read and write at least
+    bytes_moved: Callable[[int, dict, torch.dtype], int]
+    #: indices of the arguments the op mutates (vLLM in-place semantics); () = pure
+    mutates: tuple[int, ...] = ()
+    #: default dims (Qwen3.5-0.8B's) so the op can be exercised without a model profile
+    default_dims: dict = field(default_factory=dict)
+    doc: str = ""
+    #: the argument whose dtype and trailing shape key frozen dispatch, and whose leading
+    #: dimension is the row count bands are looked up by (query for rope, x otherwise)
+    key_arg: int = 0
+
+    def signature(self, dims: dict) -> str:
+        """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""
+        return ",".join(f"{k}={_fmt(v)}" for k, v in sorted(dims.items()))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, (list, tuple)):
+        return "x".join(str(i) for i in v)
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)
+
+
+def clone_args(args: list) -> list:
+    """Deep-enough copy of a call's arguments: every tensor cloned, scalars shared.
+
+    Parity and timing run every candidate on its own clones, so an in-place candidate
+    cannot corrupt the inputs the next candidate sees."""
+    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def upcast_args(args: list, dtype: torch.dtype) -> list:
+    """Copies of the arguments with every floating tensor cast to ``dtype``."""
+    return [a.to(dtype).clone() if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else (a.clone() if isinstance(a, torch.Tensor) else a) for a in args]
+
+
+def normal(shape, dtype, device, gen, scale=1.0, mean=0.0):
+    """Realistic non-zero activations: a normal draw made on the CPU (so the same seed
+    gives the same data on every device), then moved."""
+    t = torch.randn(shape, generator=gen, dtype=torch.float32) * scale + mean
+    return t.to(device=device, dtype=dtype)
