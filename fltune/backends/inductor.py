@@ -26,20 +26,35 @@ _lock = threading.Lock()
 
 
 def compiled(op_name: str):
-    """The compiled reference of ``op_name`` (built on first use, shared by all callers)."""
+    """The compiled form of ``op_name`` (built on first use, shared by all callers):
+    the functional form for in-place ops that have one, else the reference."""
     fn = _compiled.get(op_name)
     if fn is None:
         with _lock:
             fn = _compiled.get(op_name)
             if fn is None:
-                fn = torch.compile(OPS[op_name].reference, dynamic=True, fullgraph=True)
+                # one compiled function serves every dtype and several model shapes;
+                # the default limit (8) is too low for a calibration sweep
+                torch._dynamo.config.recompile_limit = max(
+                    64, getattr(torch._dynamo.config, "recompile_limit", 8))
+                spec = OPS[op_name]
+                fn = torch.compile(spec.functional or spec.reference, dynamic=True,
+                                   fullgraph=True)
                 _compiled[op_name] = fn
     return fn
 
 
 def _make_fn(op_name):
-    def fn(*args):
-        return compiled(op_name)(*args)
+    spec = OPS[op_name]
+    if spec.functional is not None:
+        def fn(*args):
+            results = compiled(op_name)(*args)
+            for i, r in zip(spec.mutates, results):
+                args[i].copy_(r)
+            return tuple(args[i] for i in spec.mutates)
+    else:
+        def fn(*args):
+            return compiled(op_name)(*args)
     fn.__qualname__ = f"inductor_{op_name}"
     return fn
 

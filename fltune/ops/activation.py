@@ -17,17 +17,24 @@ def _acc(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _gated(act):
-    def ref(x):
-        d = x.shape[-1] // 2
-        xf = x.to(_acc(x))
-        return (act(xf[..., :d]) * xf[..., d:]).to(x.dtype)
-    return ref
+# Three separate functions, not one closure factory: Dynamo caches compiled code per code
+# object, and a shared closure would make the three ops recompile against each other.
+def silu_and_mul_ref(x):
+    d = x.shape[-1] // 2
+    xf = x.to(_acc(x))
+    return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
 
 
-silu_and_mul_ref = _gated(F.silu)
-gelu_and_mul_ref = _gated(lambda t: F.gelu(t, approximate="none"))
-gelu_tanh_and_mul_ref = _gated(lambda t: F.gelu(t, approximate="tanh"))
+def gelu_and_mul_ref(x):
+    d = x.shape[-1] // 2
+    xf = x.to(_acc(x))
+    return (F.gelu(xf[..., :d], approximate="none") * xf[..., d:]).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x):
+    d = x.shape[-1] // 2
+    xf = x.to(_acc(x))
+    return (F.gelu(xf[..., :d], approximate="tanh") * xf[..., d:]).to(x.dtype)
 
 
 def _inputs(n, dims, dtype, device, gen):

@@ -14,7 +14,7 @@ the tensors that parity compares, from the call's arguments and return value.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -67,6 +67,11 @@ class OpSpec:
     #: the argument whose dtype and trailing shape key frozen dispatch, and whose leading
     #: dimension is the row count bands are looked up by (query for rope, x otherwise)
     key_arg: int = 0
+    #: for an in-place op, the same math returning its results instead of writing them
+    #: (in the order of ``mutates``): Inductor on CPU miscompiles some input mutations
+    #: (KeyError 'bufN' in torch 2.13), so the inductor backend compiles this form and
+    #: copies the results back outside the compiled graph
+    functional: Optional[Callable[..., Any]] = None
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""

@@ -38,11 +38,16 @@ def rms_norm_ref(x, weight, eps):
     return (_normalize(x.to(a), eps) * weight.to(a)).to(x.dtype)
 
 
-def fused_add_rms_norm_ref(x, residual, weight, eps):
+def fused_add_rms_norm_functional(x, residual, weight, eps):
     a = _acc(x)
     s = x.to(a) + residual.to(a)
-    residual.copy_(s.to(residual.dtype))
-    x.copy_((_normalize(s, eps) * weight.to(a)).to(x.dtype))
+    return (_normalize(s, eps) * weight.to(a)).to(x.dtype), s.to(residual.dtype)
+
+
+def fused_add_rms_norm_ref(x, residual, weight, eps):
+    out, s = fused_add_rms_norm_functional(x, residual, weight, eps)
+    residual.copy_(s)
+    x.copy_(out)
     return x, residual
 
 
@@ -126,6 +131,7 @@ RMS_NORM = OpSpec(
 FUSED_ADD_RMS_NORM = OpSpec(
     name="fused_add_rms_norm", reference=fused_add_rms_norm_ref, make_inputs=_add_inputs,
     outputs=lambda args, ret: [args[0], args[1]], bytes_moved=_bytes(4), mutates=(0, 1),
+    functional=fused_add_rms_norm_functional,
     default_dims=dict(_QWEN35_HIDDEN), doc="in place: residual += x; x = rms_norm(residual)")
 
 GEMMA_RMS_NORM = OpSpec(

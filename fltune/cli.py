@@ -1,0 +1,255 @@
+"""The ``fltune`` command: one verb per stage of the data flow.
+
+  candidates   every op x candidate on this machine: qualified or why not; the FL pick
+  calibrate    model -> workload -> adjudication -> calibration DB
+  freeze       DB -> frozen manifest (fingerprinted)
+  report       rich tables (or --json) of what won where, against the fixed FL order
+  devices      the device keys a DB holds
+  serve        vLLM with a calibrated DB (freeze for this device, then exec vLLM's server)
+
+Human output goes through rich; ``--json`` prints one JSON document on stdout for scripts.
+Errors that are the user's to fix (unknown model, bad DB, bad policy) print one line naming
+the problem and the way out, and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .store import DEFAULT_DB
+
+
+def _console(quiet=False):
+    from rich.console import Console
+    return Console(stderr=True, quiet=quiet)
+
+
+def cmd_candidates(a) -> int:
+    import torch
+
+    from .dispatch.manager import get_default_manager
+    from .dispatch.types import QualifyContext
+    from .ops import OPS, dtype_from_name
+
+    m = get_default_manager()
+    dt = dtype_from_name(a.dtype)
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = QualifyContext(dev, dt, torch.cuda.get_device_capability() if dev == "cuda" else None)
+    out = []
+    for op in OPS:
+        ordered = m.policy.order(op, m.registry.get_implementations(op))
+        cands = [{"impl_id": i.impl_id, "backend": i.backend, "kind": i.kind.value,
+                  "vendor": i.vendor, "priority": i.priority, "qualified": (r := i.qualify(ctx)) is None,
+                  "reason": r, "callable": i.callable_path} for i in ordered]
+        fl = next((c["impl_id"] for c in cands if c["qualified"]), None)
+        out.append({"op": op, "fl_pick": fl, "candidates": cands,
+                    "qualified": sum(c["qualified"] for c in cands)})
+    doc = {"device": dev, "dtype": a.dtype, "policy": m.policy.to_dict(), "ops": out,
+           "discovery": {"loaded": m.discovery.loaded, "failed": m.discovery.failed}}
+    if a.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"fltune candidates on {dev} ({a.dtype}); FL order = policy "
+                    f"prefer={m.policy.prefer}")
+    for c in ("op", "candidate (FL order)", "kind/prio", "qualified", "why not", ""):
+        t.add_column(c)
+    for o in out:
+        for k, c in enumerate(o["candidates"]):
+            t.add_row(o["op"] if k == 0 else "", c["impl_id"], f"{c['kind']}/{c['priority']}",
+                      "[green]yes[/]" if c["qualified"] else "[red]no[/]", c["reason"] or "",
+                      "[bold]← FL pick[/]" if c["impl_id"] == o["fl_pick"] else "")
+        t.add_section()
+    con = Console()
+    (con if con.is_terminal else Console(width=150)).print(t)
+    for src, name, err in m.discovery.failed:
+        Console(stderr=True).print(f"[yellow]backend {name} ({src}) failed to load: {err}[/]")
+    return 0
+
+
+def cmd_calibrate(a) -> int:
+    import torch
+
+    from .tune.adjudicate import Settings
+    from .tune.calibrate import calibrate
+
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = Settings(device=dev, parity_floor=a.parity_floor, margin=a.margin,
+                        cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
+    con = _console(a.quiet or a.json)
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    prog = Progress(TextColumn("[bold]calibrating[/] {task.description}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=con, disable=a.quiet or a.json)
+    task = None
+
+    def progress(event, **kw):
+        nonlocal task
+        if event == "start":
+            task = prog.add_task(a.model, total=kw["total"])
+        elif event in ("band", "skip"):
+            w = kw.get("winner")
+            desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
+                                                     (" (cached)" if event == "skip" else ""))
+            prog.update(task, advance=1, description=desc)
+
+    with prog:
+        res = calibrate(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
+                        settings=settings, ops=a.ops.split(",") if a.ops else None,
+                        force=a.force, progress=progress)
+    if a.json:
+        print(json.dumps(res.as_dict(), indent=1))
+    else:
+        con.print(f"calibrated {res.workload.model} on {res.device['name']}: "
+                  f"{res.measured} bands measured, {res.skipped} already in the DB, "
+                  f"{res.wall_s:.1f} s → {res.db_path}")
+    return 0
+
+
+def cmd_freeze(a) -> int:
+    from .dispatch.manager import get_default_manager
+    from .dispatch.policy import SelectionPolicy
+    from .freeze import build_manifest, write_manifest
+
+    manifest, warnings = build_manifest(a.db, device=a.device, strict=a.strict,
+                                        policy=SelectionPolicy.from_env(),
+                                        registry=get_default_manager().registry)
+    con = _console(a.json)
+    for w in warnings:
+        con.print(f"[yellow]warning:[/] {w}")
+    write_manifest(manifest, a.out)
+    if a.json:
+        print(json.dumps({"out": a.out, "fingerprint": manifest["fingerprint"],
+                          "warnings": warnings, "ops": sorted(manifest["ops"])}))
+    else:
+        con.print(f"froze {len(manifest['ops'])} ops for {manifest['device']['name']} → {a.out}\n"
+                  f"fingerprint {manifest['fingerprint']}")
+    return 0
+
+
+def cmd_report(a) -> int:
+    from . import report
+    from .dispatch.policy import SelectionPolicy
+
+    rep = report.build(a.db, device=a.device, op=a.op, policy=SelectionPolicy.from_env())
+    if a.json:
+        print(json.dumps(rep, indent=1, default=str))
+    else:
+        report.render(rep)
+    return 0
+
+
+def cmd_devices(a) -> int:
+    from .store import CalibrationDB
+    db = CalibrationDB(a.db, create=False)
+    rows = db.devices()
+    db.close()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"devices in {a.db}")
+    for c in ("device key", "name", "capability", "SMs/cores", "memory GiB", "driver",
+              "winners", "measurements"):
+        t.add_column(c)
+    for r in rows:
+        t.add_row(r["device_key"], r["name"], r["capability"], str(r["sms"]),
+                  f"{r['memory_bytes'] / 2**30:.0f}", r["driver"], str(r["winners"]),
+                  str(r["measurements"]))
+    Console().print(t)
+    return 0
+
+
+def cmd_serve(a) -> int:
+    try:
+        from .integrations.vllm.serve import serve
+    except ImportError as e:
+        print(f"fltune: error: the vLLM integration is not available ({e})", file=sys.stderr)
+        return 2
+    args = a.vllm_args[1:] if a.vllm_args[:1] == ["--"] else a.vllm_args
+    return serve(a.db or a.manifest, strict=a.strict, vllm_args=args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fltune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("candidates", help="every op x candidate on this machine")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--dtype", default="bf16")
+    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.set_defaults(fn=cmd_candidates)
+
+    c = sub.add_parser("calibrate", help="measure a model's workload into the DB")
+    c.add_argument("--model", required=True,
+                   help="built-in profile name (calibrate/profiles), a model dir or config.json")
+    c.add_argument("--db", default=DEFAULT_DB, help=f"calibration DB (default: {DEFAULT_DB})")
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
+    c.add_argument("--dtype", help="override the config's dtype (bf16, fp16, fp32)")
+    c.add_argument("--max-tokens", type=int,
+                   help="largest token band (default 16384 on GPU, 2048 on CPU)")
+    c.add_argument("--parity-floor", type=float, default=0.99)
+    c.add_argument("--margin", type=float, default=0.03, help="win margin (default 3%%)")
+    c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
+    c.add_argument("--reps", type=int, default=0, help="timing samples (0 = adaptive)")
+    c.add_argument("--budget", type=float, default=0.05,
+                   help="seconds of timing per candidate when adaptive")
+    c.add_argument("--ops", help="comma-separated subset of ops")
+    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_calibrate)
+
+    c = sub.add_parser("freeze", help="DB -> frozen dispatch manifest")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--out", required=True)
+    c.add_argument("--device", help="device key prefix or name (default: this machine)")
+    c.add_argument("--strict", action="store_true", help="refuse if the stack changed")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_freeze)
+
+    c = sub.add_parser("report", help="what won where, against the fixed FL order")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--device")
+    c.add_argument("--op")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_report)
+
+    c = sub.add_parser("devices", help="device keys held by a DB")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_devices)
+
+    c = sub.add_parser("serve", help="run vLLM's OpenAI server with a calibrated DB")
+    c.add_argument("--db")
+    c.add_argument("--manifest")
+    c.add_argument("--strict", action="store_true",
+                   help="refuse to start without a calibration for this device")
+    c.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    c.set_defaults(fn=cmd_serve)
+    return p
+
+
+def main(argv=None) -> int:
+    from .dispatch.frozen import ManifestError
+    from .dispatch.policy import PolicyError
+    from .freeze import StackMismatch
+    from .store import DBError
+    from .tune.workload import ModelConfigError
+
+    a = build_parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (DBError, ModelConfigError, PolicyError, ManifestError, StackMismatch) as e:
+        print(f"fltune: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""The calibration DB: one SQLite file (sqlite-utils), the single source of truth.
+
+Tables
+  meta          key/value: schema_version (migrations run forward on open)
+  devices       device_key -> name, capability, SMs, memory, driver, runtime
+  runs          one calibration run: model, dtype, tp, settings, stack, status, times
+  measurements  every candidate's outcome per (device, driver, stack, op, signature,
+                dtype, band): unqualified | refused (reason) | parity_failed (score) |
+                timed (median/p10/p90/n, timer) — never only the winners
+  winners       unique per (device, driver, op, signature, dtype, band): the pick, its
+                time, runner-up and gap, the reason, the stack it was measured with
+
+Crash and concurrency safety: WAL journal (readers never block the writer), a busy
+timeout (writers queue instead of failing with "database is locked"), and each finished
+(op, band) written in one ``BEGIN IMMEDIATE`` transaction — so a killed run leaves only
+whole (op, band) results, and a rerun skips exactly those.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
+                            str(Path.home() / ".cache" / "fltune" / "calibration.db"))
+BUSY_TIMEOUT_MS = 60_000
+
+
+class DBError(RuntimeError):
+    """A DB that cannot be used as is; the message names the file and the way out."""
+
+
+MEASUREMENT_KEY = ["device_key", "driver", "stack_key", "op", "signature", "dtype",
+                   "band_hi", "impl_id"]
+WINNER_KEY = ["device_key", "driver", "op", "signature", "dtype", "band_hi"]
+
+
+def _migrate_0_to_1(db: sqlite_utils.Database):
+    db["devices"].create({"device_key": str, "device_type": str, "name": str,
+                          "capability": str, "sms": int, "memory_bytes": int, "driver": str,
+                          "runtime": str}, pk=["device_key", "driver"], if_not_exists=True)
+    db["runs"].create({"id": int, "device_key": str, "driver": str, "model": str,
+                       "dtype": str, "tp": int, "settings": str, "stack": str,
+                       "stack_key": str, "status": str, "started": float,
+                       "finished": float, "pid": int}, pk="id", if_not_exists=True)
+    db["measurements"].create({
+        "device_key": str, "driver": str, "stack_key": str, "op": str, "signature": str,
+        "dims": str, "dtype": str, "band_lo": int, "band_hi": int, "tokens": int,
+        "impl_id": str, "kind": str, "vendor": str, "backend": str, "outcome": str,
+        "reason": str, "parity_score": float, "rel_error": float, "median_us": float,
+        "p10_us": float, "p90_us": float, "n": int, "timer": str, "bytes": int,
+        "run_id": int, "created": float}, pk=MEASUREMENT_KEY, if_not_exists=True)
+    db["winners"].create({
+        "device_key": str, "driver": str, "op": str, "signature": str, "dims": str,
+        "dtype": str, "band_lo": int, "band_hi": int, "impl_id": str, "kind": str,
+        "vendor": str, "median_us": float, "runner_up": str, "runner_up_us": float,
+        "gap": float, "noise": float, "reason": str, "weight": int, "stack_key": str,
+        "run_id": int, "created": float}, pk=WINNER_KEY, if_not_exists=True)
+
+
+MIGRATIONS = {0: _migrate_0_to_1}
+
+
+class CalibrationDB:
+    def __init__(self, path: str | os.PathLike, *, create: bool = True):
+        self.path = str(path)
+        p = Path(self.path)
+        if not p.exists():
+            if not create:
+                raise DBError(f"calibration DB {self.path} does not exist; create it with "
+                              f"`fltune calibrate --db {self.path} --model NAME`")
+            p.parent.mkdir(parents=True, exist_ok=True)
+        elif p.is_dir():
+            raise DBError(f"{self.path} is a directory, not a calibration DB file")
+        try:
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
+                                   isolation_level=None)
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            self.db = sqlite_utils.Database(conn)
+            names = self.db.table_names()
+        except sqlite3.DatabaseError as e:
+            raise DBError(f"{self.path} is not a usable SQLite calibration DB ({e}). It was "
+                          f"left untouched; point --db at another file, or move this one "
+                          f"away and calibrate again") from None
+        if names and "meta" not in names:
+            raise DBError(f"{self.path} is an SQLite file but not an fltune calibration DB "
+                          f"(tables: {', '.join(sorted(names)[:6])}). It was left untouched; "
+                          f"use another --db path")
+        try:
+            self._wal()
+        except sqlite3.DatabaseError as e:
+            raise DBError(f"{self.path}: cannot open ({e}); it was left untouched. If it is "
+                          f"damaged, move it away and calibrate again") from None
+        self._ensure_schema()
+
+    def _wal(self):
+        if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            self.db.execute("PRAGMA journal_mode=wal")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+
+    def _ensure_schema(self):
+        version = self.schema_version()
+        if version > SCHEMA_VERSION:
+            raise DBError(f"{self.path} has schema version {version}, newer than this fltune "
+                          f"understands ({SCHEMA_VERSION}). It was left untouched; upgrade "
+                          f"fltune (pip install -U fltune) to read it")
+        while version < SCHEMA_VERSION:
+            with self.transaction():
+                if version == 0:
+                    self.db["meta"].create({"key": str, "value": str}, pk="key",
+                                           if_not_exists=True)
+                MIGRATIONS[version](self.db)
+                self.db["meta"].upsert({"key": "schema_version", "value": str(version + 1)},
+                                       pk="key")
+            version += 1
+
+    def schema_version(self) -> int:
+        if "meta" not in self.db.table_names():
+            return 0
+        row = self.db.execute("select value from meta where key='schema_version'").fetchone()
+        return int(row[0]) if row else 0
+
+    # ---- transactions -----------------------------------------------------------------
+    def transaction(self):
+        return _Immediate(self.db.conn)
+
+    # ---- writes -----------------------------------------------------------------------
+    def upsert_device(self, rec: dict) -> None:
+        cols = ["device_key", "device_type", "name", "capability", "sms", "memory_bytes",
+                "driver", "runtime"]
+        with self.transaction():
+            self.db["devices"].upsert({k: rec[k] for k in cols}, pk=["device_key", "driver"])
+
+    def start_run(self, device: dict, model: str, dtype: str, tp: int, settings: dict,
+                  stack: dict, stack_key: str) -> int:
+        with self.transaction():
+            t = self.db["runs"].insert({
+                "device_key": device["device_key"], "driver": device["driver"],
+                "model": model, "dtype": dtype, "tp": tp,
+                "settings": json.dumps(settings, sort_keys=True),
+                "stack": json.dumps(stack, sort_keys=True), "stack_key": stack_key,
+                "status": "running", "started": time.time(), "finished": None,
+                "pid": os.getpid()})
+            return t.last_pk
+
+    def finish_run(self, run_id: int, status: str = "done") -> None:
+        with self.transaction():
+            self.db["runs"].update(run_id, {"status": status, "finished": time.time()})
+
+    def record_band(self, measurements: list[dict], winner: Optional[dict]) -> None:
+        """All outcomes of one (op, signature, dtype, band), and its winner: one transaction."""
+        now = time.time()
+        with self.transaction():
+            for m in measurements:
+                self.db["measurements"].upsert({**m, "created": now}, pk=MEASUREMENT_KEY)
+            if winner is not None:
+                self.db["winners"].upsert({**winner, "created": now}, pk=WINNER_KEY)
+
+    # ---- reads ------------------------------------------------------------------------
+    def has_band(self, device_key, driver, stack_key, op, signature, dtype, band_hi) -> bool:
+        """Measured already for this device, driver and stack? (what a rerun skips)"""
+        row = self.db.execute(
+            "select 1 from measurements where device_key=? and driver=? and stack_key=? and "
+            "op=? and signature=? and dtype=? and band_hi=? limit 1",
+            [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchone()
+        return row is not None
+
+    def devices(self) -> list[dict]:
+        return list(self.db.query(
+            "select d.*, (select count(*) from winners w where w.device_key=d.device_key and "
+            "w.driver=d.driver) as winners, (select count(*) from measurements m where "
+            "m.device_key=d.device_key and m.driver=d.driver) as measurements, (select "
+            "max(finished) from runs r where r.device_key=d.device_key and r.driver=d.driver) "
+            "as last_run from devices d order by name, driver"))
+
+    def device(self, device_key: str, driver: Optional[str] = None) -> Optional[dict]:
+        q = "select * from devices where device_key=?"
+        args = [device_key]
+        if driver:
+            q += " and driver=?"
+            args.append(driver)
+        rows = list(self.db.query(q, args))
+        return rows[0] if rows else None
+
+    def winners(self, device_key: str, driver: str, op: Optional[str] = None) -> list[dict]:
+        q = "select * from winners where device_key=? and driver=?"
+        args = [device_key, driver]
+        if op:
+            q += " and op=?"
+            args.append(op)
+        return list(self.db.query(q + " order by op, signature, dtype, band_hi", args))
+
+    def measurements(self, device_key: str, driver: str, **where) -> list[dict]:
+        q = "select * from measurements where device_key=? and driver=?"
+        args = [device_key, driver]
+        for k, v in where.items():
+            q += f" and {k}=?"
+            args.append(v)
+        return list(self.db.query(q + " order by op, signature, dtype, band_hi, impl_id", args))
+
+    def runs(self, device_key: Optional[str] = None) -> list[dict]:
+        if device_key:
+            return list(self.db.query("select * from runs where device_key=? order by id",
+                                      [device_key]))
+        return list(self.db.query("select * from runs order by id"))
+
+    def stacks_of_winners(self, device_key: str, driver: str) -> dict:
+        """stack_key -> stack dict, for the stacks the winners were measured with."""
+        out = {}
+        for row in self.db.query(
+                "select distinct w.stack_key, r.stack from winners w join runs r on "
+                "r.stack_key = w.stack_key where w.device_key=? and w.driver=?",
+                [device_key, driver]):
+            out[row["stack_key"]] = json.loads(row["stack"])
+        return out
+
+    def integrity_check(self) -> str:
+        return self.db.execute("PRAGMA integrity_check").fetchone()[0]
+
+    def close(self):
+        self.db.conn.close()
+
+
+class _Immediate:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``: take the write lock up front, so two writers
+    queue on the busy timeout instead of deadlocking on a lock upgrade."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.depth_owner = False
+
+    def __enter__(self):
+        if not self.conn.in_transaction:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.depth_owner = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.depth_owner:
+            self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+        return False
+
+
+def resolve_device(db: CalibrationDB, device: Optional[str]) -> dict:
+    """A device row chosen by key prefix or name substring; None -> this machine's."""
+    from . import device as devmod
+    rows = db.devices()
+    if device is None:
+        me = devmod.current()
+        for r in rows:
+            if r["device_key"] == me["device_key"] and r["driver"] == me["driver"]:
+                return r
+        have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
+        raise DBError(f"{db.path} holds no calibration for this device "
+                      f"({devmod.label(me)} [{me['device_key']}]). Devices in it: {have}. "
+                      f"Calibrate this device (`fltune calibrate --db {db.path}`) or name one "
+                      f"with --device")
+    hits = [r for r in rows if r["device_key"].startswith(device) or
+            device.lower() in r["name"].lower()]
+    if len(hits) != 1:
+        have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
+        raise DBError(f"--device {device!r} matches {len(hits)} devices in {db.path}; devices: "
+                      f"{have}")
+    return hits[0]

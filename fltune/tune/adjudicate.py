@@ -1,0 +1,168 @@
+"""Adjudication of one (op, shape, dtype, band): qualify -> parity -> race -> winner.
+
+The rule is flashrt's ``adjudicate()``: the fastest candidate wins, *except* that every
+candidate whose median is within the win margin (default 3 %) of the fastest competes on
+precision, and the most precise of those (smallest measured error against the reference)
+wins. Why: a 2 % timing difference is inside what a rerun moves, so picking on it is
+picking on noise, while a precision difference is deterministic and real. Exact precision
+ties fall back to the declared precision rank, then the fastest.
+
+Every candidate's outcome is returned — unqualified (reason), refused (raised; reason),
+parity_failed (score), timed (stats) — because the DB keeps all of them: "why did X not
+win here" must be answerable from the DB alone.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..dispatch.types import OpImpl, QualifyContext
+from ..ops import get_op
+from ..ops.base import DTYPE_NAMES, clone_args
+from . import parity, timing
+from .bands import Band
+
+WIN_MARGIN = 0.03
+
+
+@dataclass
+class Settings:
+    device: str = "cpu"
+    parity_floor: float = parity.PARITY_FLOOR
+    margin: float = WIN_MARGIN
+    cold_l2: bool = False          # eager cold-L2 timing for prefill bands (> 512 tokens)
+    reps: int = 0                  # 0 = adaptive
+    budget_s: float = 0.05         # per candidate, when adaptive
+    graph_calls: int = 20
+    seed: int = 0
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+@dataclass
+class Outcome:
+    impl: OpImpl
+    outcome: str                   # unqualified | refused | parity_failed | timed
+    reason: Optional[str] = None
+    parity: Optional[parity.ParityResult] = None
+    timing: Optional[timing.Timing] = None
+
+
+@dataclass
+class Verdict:
+    outcomes: list
+    winner: Optional[Outcome]
+    runner_up: Optional[Outcome]
+    reason: str
+    bytes: int
+    extra: dict = field(default_factory=dict)
+
+
+def pick_winner(timed: list[Outcome], margin: float):
+    """flashrt's rule over the timed, parity-passing outcomes. Returns (winner, runner_up,
+    reason)."""
+    if not timed:
+        return None, None, "no candidate passed parity and timing"
+    by_time = sorted(timed, key=lambda o: o.timing.median_us)
+    fastest = by_time[0]
+    limit = fastest.timing.median_us * (1.0 + margin)
+    contenders = [o for o in by_time if o.timing.median_us <= limit]
+    winner = min(contenders, key=lambda o: (o.parity.rel_error, o.impl.precision_rank,
+                                            o.timing.median_us))
+    runner_up = next((o for o in by_time if o is not winner), None)
+    if winner is fastest:
+        reason = "fastest"
+        if len(contenders) > 1:
+            reason += f"; also most precise of {len(contenders)} within {margin:.0%}"
+    else:
+        slower = winner.timing.median_us / fastest.timing.median_us - 1
+        reason = (f"within {margin:.0%} of fastest {fastest.impl.impl_id} (+{slower:.1%}) and "
+                  f"more precise (rel err {winner.parity.rel_error:.2e} vs "
+                  f"{fastest.parity.rel_error:.2e})")
+    return winner, runner_up, reason
+
+
+def adjudicate(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
+               impls: list[OpImpl], settings: Settings) -> Verdict:
+    spec = get_op(op_name)
+    cap = torch.cuda.get_device_capability() if settings.device == "cuda" else None
+    ctx = QualifyContext(settings.device, dtype, cap)
+    gen = torch.Generator().manual_seed(settings.seed)
+    args = spec.make_inputs(band.tokens, dims, dtype, settings.device, gen)
+    ref = parity.reference_outputs(spec, args)
+    outcomes, passing = [], []
+    for impl in impls:
+        why = impl.qualify(ctx)
+        if why is not None:
+            outcomes.append(Outcome(impl, "unqualified", why))
+            continue
+        p = parity.check(spec, impl.fn, args, dtype, reference=ref, floor=settings.parity_floor)
+        if p.reason and p.reason.startswith("raised"):
+            outcomes.append(Outcome(impl, "refused", p.reason, p))
+        elif not p.passed:
+            outcomes.append(Outcome(impl, "parity_failed", p.reason, p))
+        else:
+            o = Outcome(impl, "timed", None, p)
+            outcomes.append(o)
+            passing.append(o)
+    del ref
+    calls = {}
+    for o in passing:
+        own = clone_args(args)
+        calls[o.impl.impl_id] = (lambda fn=o.impl.fn, a=own: fn(*a))
+    cold = settings.cold_l2 and band.tokens > 512
+    times = timing.time_candidates(calls, settings.device, reps=settings.reps,
+                                   budget_s=settings.budget_s,
+                                   graph_calls=settings.graph_calls, cold_l2=cold) if calls else {}
+    timed = []
+    for o in passing:
+        t = times.get(o.impl.impl_id)
+        if isinstance(t, timing.Timing):
+            o.timing = t
+            timed.append(o)
+        else:
+            o.outcome, o.reason = "refused", f"raised while timing: {type(t).__name__}: {t}"
+    winner, runner_up, reason = pick_winner(timed, settings.margin)
+    return Verdict(outcomes, winner, runner_up, reason,
+                   spec.bytes_moved(band.tokens, dims, dtype))
+
+
+def rows_for_db(verdict: Verdict, *, device: dict, stack_key: str, op: str, signature: str,
+                dims: dict, dtype: torch.dtype, band: Band, run_id: int, weight: int):
+    """The measurement rows and the winner row this verdict writes."""
+    dt = DTYPE_NAMES[dtype]
+    base = {"device_key": device["device_key"], "driver": device["driver"],
+            "stack_key": stack_key, "op": op, "signature": signature,
+            "dims": json.dumps(dims, sort_keys=True), "dtype": dt, "band_lo": band.lo,
+            "band_hi": band.hi, "tokens": band.tokens, "run_id": run_id,
+            "bytes": verdict.bytes}
+    rows = []
+    for o in verdict.outcomes:
+        t, p = o.timing, o.parity
+        rows.append({**base, "impl_id": o.impl.impl_id, "kind": o.impl.kind.value,
+                     "vendor": o.impl.vendor, "backend": o.impl.backend,
+                     "outcome": o.outcome, "reason": o.reason,
+                     "parity_score": p.score if p else None,
+                     "rel_error": p.rel_error if p and p.rel_error != float("inf") else None,
+                     "median_us": t.median_us if t else None, "p10_us": t.p10_us if t else None,
+                     "p90_us": t.p90_us if t else None, "n": t.n if t else None,
+                     "timer": json.dumps(t.timer) if t else None})
+    win = None
+    w = verdict.winner
+    if w is not None:
+        ru = verdict.runner_up
+        win = {"device_key": device["device_key"], "driver": device["driver"], "op": op,
+               "signature": signature, "dims": base["dims"], "dtype": dt,
+               "band_lo": band.lo, "band_hi": band.hi, "impl_id": w.impl.impl_id,
+               "kind": w.impl.kind.value, "vendor": w.impl.vendor,
+               "median_us": w.timing.median_us,
+               "runner_up": ru.impl.impl_id if ru else None,
+               "runner_up_us": ru.timing.median_us if ru else None,
+               "gap": (ru.timing.median_us / w.timing.median_us - 1) if ru else None,
+               "noise": w.timing.noise, "reason": verdict.reason, "weight": weight,
+               "stack_key": stack_key, "run_id": run_id}
+    return rows, win

@@ -1,0 +1,96 @@
+"""``fltune calibrate``: workload -> adjudication per (op, shape, dtype, band) -> DB.
+
+Resumable by construction: each finished (op, band) is one transaction, and before
+measuring a band the calibrator asks the DB whether it is already measured for this
+device, driver and stack — so a killed run, rerun, measures only what is missing, and a
+warm rerun measures nothing. ``force=True`` re-measures (rows are replaced, not added).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .. import device as devmod
+from ..dispatch.manager import OpManager
+from ..ops import dtype_from_name
+from ..store import CalibrationDB
+from .adjudicate import Settings, adjudicate, rows_for_db
+from .bands import DEFAULT_MAX_TOKENS, bands
+from .workload import Workload, derive
+
+
+@dataclass
+class CalibrationResult:
+    db_path: str
+    run_id: int
+    device: dict
+    workload: Workload
+    measured: int = 0          # (op, band) adjudicated in this run
+    skipped: int = 0           # already in the DB for this device/driver/stack
+    winners: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def as_dict(self):
+        return {"db": self.db_path, "run_id": self.run_id,
+                "device": {k: self.device[k] for k in ("device_key", "name", "driver")},
+                "model": self.workload.model, "tp": self.workload.tp,
+                "dtype": self.workload.dtype, "measured": self.measured,
+                "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
+                "winners": self.winners}
+
+
+def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = None,
+              max_tokens: Optional[int] = None, settings: Optional[Settings] = None,
+              ops: Optional[list] = None, force: bool = False,
+              manager: Optional[OpManager] = None,
+              progress: Optional[Callable] = None) -> CalibrationResult:
+    t0 = time.perf_counter()
+    settings = settings or Settings()
+    workload = derive(model, tp=tp, dtype=dtype)       # validates before anything is written
+    if ops:
+        workload.items = [i for i in workload.items if i.op in ops]
+    max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
+    band_list = bands(max_tokens)
+    registry = (manager or OpManager()).registry
+    dev = devmod.current(settings.device)
+    stack = devmod.stack()
+    skey = devmod.stack_key(stack)
+    db = CalibrationDB(db_path)
+    db.upsert_device(dev)
+    run_id = db.start_run(dev, workload.model, workload.dtype, tp,
+                          {**settings.as_dict(), "max_tokens": max_tokens}, stack, skey)
+    result = CalibrationResult(db_path, run_id, dev, workload)
+    tasks = [(item, band) for item in workload.items for band in band_list]
+    if progress:
+        progress("start", total=len(tasks))
+    status = "failed"
+    try:
+        for item, band in tasks:
+            dims = item.dims_dict
+            sig = item.signature
+            dt = dtype_from_name(item.dtype)
+            if not force and db.has_band(dev["device_key"], dev["driver"], skey, item.op, sig,
+                                         item.dtype, band.hi):
+                result.skipped += 1
+                if progress:
+                    progress("skip", op=item.op, band=band)
+                continue
+            impls = registry.get_implementations(item.op)
+            verdict = adjudicate(item.op, dims, dt, band, impls, settings)
+            rows, win = rows_for_db(verdict, device=dev, stack_key=skey, op=item.op,
+                                    signature=sig, dims=dims, dtype=dt, band=band,
+                                    run_id=run_id, weight=item.calls)
+            db.record_band(rows, win)
+            result.measured += 1
+            if win:
+                result.winners.append({k: win[k] for k in ("op", "signature", "dtype", "band_lo",
+                                                           "band_hi", "impl_id", "median_us")})
+            if progress:
+                progress("band", op=item.op, band=band, winner=win)
+        status = "done"
+    finally:
+        db.finish_run(run_id, status)
+        db.close()
+    result.wall_s = time.perf_counter() - t0
+    return result

@@ -1,0 +1,96 @@
+"""Parity: does a candidate compute the op, within the dtype's tolerance, on real inputs?
+
+Checked before any timing (a fast wrong kernel must never win), on cloned inputs (an
+in-place candidate cannot corrupt the next one's inputs), against the op's reference run
+in high precision: fp64 on CPU, fp32 on GPU (fp64 is slow there and fp32 math already
+exceeds every candidate dtype's precision by orders of magnitude).
+
+Score = fraction of output elements with |out - ref| <= atol + rtol*|ref|, over all of the
+op's outputs (for in-place ops: the mutated arguments). NaN or inf where the reference is
+finite fails the whole candidate. A pure op that mutates its inputs fails too: vLLM's
+callers reuse them. The measured error (mean |out - ref| / mean |ref|) is kept as the
+candidate's precision, which the precision tiebreak compares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..ops.base import ATOL_SCALE, RTOL, OpSpec, clone_args, upcast_args
+
+PARITY_FLOOR = 0.99
+
+
+@dataclass
+class ParityResult:
+    score: float                 # fraction of elements within tolerance, 0..1
+    rel_error: float             # mean |out-ref| / mean |ref| (the precision measure)
+    max_abs_error: float
+    passed: bool
+    reason: Optional[str] = None  # why it failed (NaN, shape, mutated input, raised, ...)
+
+    def as_dict(self):
+        return {"score": self.score, "rel_error": self.rel_error,
+                "max_abs_error": self.max_abs_error, "passed": self.passed,
+                "reason": self.reason}
+
+
+def reference_outputs(spec: OpSpec, args: list) -> list[torch.Tensor]:
+    """The op's outputs computed in high precision on copies of ``args``."""
+    hi = torch.float64 if args_device(args).type == "cpu" else torch.float32
+    ref_args = upcast_args(args, hi)
+    ret = spec.reference(*ref_args)
+    return [t.detach() for t in spec.outputs(ref_args, ret)]
+
+
+def args_device(args) -> torch.device:
+    return next(a for a in args if isinstance(a, torch.Tensor)).device
+
+
+def check(spec: OpSpec, fn, args: list, dtype: torch.dtype, *,
+          reference: Optional[list] = None, floor: float = PARITY_FLOOR) -> ParityResult:
+    """Run ``fn`` on clones of ``args`` and score it against the reference."""
+    ref = reference if reference is not None else reference_outputs(spec, args)
+    call_args = clone_args(args)
+    try:
+        ret = fn(*call_args)
+        outs = list(spec.outputs(call_args, ret))
+    except Exception as e:
+        return ParityResult(0.0, float("inf"), float("inf"), False,
+                            f"raised {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    if len(outs) != len(ref):
+        return ParityResult(0.0, float("inf"), float("inf"), False,
+                            f"returned {len(outs)} outputs, expected {len(ref)}")
+    if not spec.mutates:
+        for i, (a, b) in enumerate(zip(args, call_args)):
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+                return ParityResult(0.0, float("inf"), float("inf"), False,
+                                    f"mutated input argument {i}, but {spec.name} is out of place")
+    rtol, atol_scale = RTOL[dtype], ATOL_SCALE[dtype]
+    good = total = 0
+    err_sum = ref_sum = 0.0
+    max_abs = 0.0
+    for o, r in zip(outs, ref):
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != tuple(r.shape):
+            shape = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+            return ParityResult(0.0, float("inf"), float("inf"), False,
+                                f"output shape {shape}, expected {tuple(r.shape)}")
+        of = o.detach().to(r.dtype)
+        if not torch.isfinite(of).all() and torch.isfinite(r).all():
+            return ParityResult(0.0, float("inf"), float("inf"), False,
+                                "output has NaN/inf where the reference is finite")
+        diff = (of - r).abs()
+        scale = r.abs().mean().item() or 1.0
+        ok = diff <= atol_scale * scale + rtol * r.abs()
+        good += int(ok.sum().item())
+        total += ok.numel()
+        err_sum += diff.sum().item()
+        ref_sum += r.abs().sum().item()
+        max_abs = max(max_abs, diff.max().item() if diff.numel() else 0.0)
+    score = good / total if total else 1.0
+    rel = err_sum / ref_sum if ref_sum else err_sum
+    passed = score >= floor
+    return ParityResult(score, rel, max_abs, passed,
+                        None if passed else f"parity {score:.4f} below floor {floor}")

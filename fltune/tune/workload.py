@@ -1,0 +1,189 @@
+"""Model config -> workload: every (op, shape signature, dtype) the model's vLLM layers
+call, with calls per forward step (the weights of workload-level figures).
+
+The mapping follows vLLM's model code (see ../shared/research/models.md):
+- Qwen3.5 / Qwen3-Next (``qwen3_5``, ``qwen3_next``): GemmaRMSNorm everywhere — layer 0's
+  input norm without residual, every other layer norm and the final norm with it; q/k norms
+  per head in the full-attention layers (every ``full_attention_interval``-th); interleaved
+  3-section mrope there; RMSNormGated (per value head) in the gated-delta-net layers;
+  SiluAndMul in every MLP.
+- Qwen3 / Llama / Mistral / Qwen2: RMSNorm (fused-add form for all but the first), q/k
+  RMSNorm per head for Qwen3, NeoX rotary_embedding, SiluAndMul.
+
+``--tp N`` shards the way vLLM does: attention heads, KV heads (replicated, never below one
+per rank), MLP intermediate size and linear-attention heads divide by N; norms over the
+hidden size do not shard.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..ops import dtype_from_name
+from ..ops.base import DTYPE_NAMES
+
+PROFILE_DIR = Path(os.environ.get("FLTUNE_PROFILES",
+                                  Path(__file__).resolve().parents[2] / "calibrate" / "profiles"))
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    op: str
+    dims: tuple            # sorted (key, value) pairs — hashable
+    dtype: str             # 'bf16' | 'fp16' | 'fp32'
+    calls: int             # calls per forward step
+    where: str             # which layer calls it, for reports
+
+    @property
+    def dims_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.dims}
+
+    @property
+    def signature(self) -> str:
+        from ..ops import get_op
+        return get_op(self.op).signature(dict(self.dims))
+
+
+@dataclass
+class Workload:
+    model: str
+    tp: int
+    dtype: str
+    items: list
+
+    def as_dict(self):
+        return {"model": self.model, "tp": self.tp, "dtype": self.dtype,
+                "items": [{"op": i.op, "signature": i.signature, "dims": i.dims_dict,
+                           "dtype": i.dtype, "calls": i.calls, "where": i.where}
+                          for i in self.items]}
+
+
+def known_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_config(model: str) -> tuple[str, dict]:
+    """NAME (built-in profile), a directory with config.json, or a config.json path."""
+    p = Path(model)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        src = str(p)
+    elif (PROFILE_DIR / f"{model}.json").is_file():
+        p, src = PROFILE_DIR / f"{model}.json", model
+    else:
+        raise ModelConfigError(f"unknown model {model!r}: not a built-in profile, a directory "
+                               f"with config.json, or a config file. Built-in profiles: "
+                               f"{', '.join(known_profiles())}")
+    try:
+        cfg = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{p}: expected a JSON object")
+    return src, cfg
+
+
+def _int(cfg, key, where, default=None, minimum=1, maximum=1 << 20):
+    v = cfg.get(key, default)
+    if v is None:
+        raise ModelConfigError(f"{where}: missing required key {key!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ModelConfigError(f"{where}: {key} must be an integer, got {v!r}")
+    v = int(v)
+    if not minimum <= v <= maximum:
+        raise ModelConfigError(f"{where}: {key}={v} is out of range [{minimum}, {maximum}]")
+    return v
+
+
+def _shard(n, tp, what, where):
+    if n % tp and n > tp:
+        raise ModelConfigError(f"{where}: {what}={n} is not divisible by --tp {tp}")
+    return max(1, n // tp)
+
+
+def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
+    src, cfg = load_config(model)
+    where = src
+    if not isinstance(tp, int) or tp < 1 or tp > 1024:
+        raise ModelConfigError(f"--tp must be a positive integer, got {tp!r}")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    mtype = str(text.get("model_type") or cfg.get("model_type") or "")
+    dt_name = dtype or text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"
+    try:
+        dt = DTYPE_NAMES[dtype_from_name(dt_name)]
+    except ValueError as e:
+        raise ModelConfigError(f"{where}: {e}") from None
+
+    hidden = _int(text, "hidden_size", where)
+    inter = _int(text, "intermediate_size", where)
+    layers = _int(text, "num_hidden_layers", where, maximum=4096)
+    heads = _int(text, "num_attention_heads", where)
+    kv = _int(text, "num_key_value_heads", where, default=heads)
+    head_dim = _int(text, "head_dim", where, default=hidden // heads if hidden % heads == 0 else None)
+    eps = float(text.get("rms_norm_eps", 1e-6))
+    if not 0 < eps < 1:
+        raise ModelConfigError(f"{where}: rms_norm_eps={eps} must be in (0, 1)")
+    h_tp, kv_tp = _shard(heads, tp, "num_attention_heads", where), _shard(kv, tp, "num_key_value_heads", where)
+    i_tp = _shard(inter, tp, "intermediate_size", where)
+    items: list[WorkItem] = []
+
+    def add(op, calls, where_, **dims):
+        if calls > 0:
+            items.append(WorkItem(op, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                   for k, v in dims.items())), dt, calls, where_))
+
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    max_pos = min(_int(text, "max_position_embeddings", where, default=8192, maximum=1 << 24), 8192)
+
+    if mtype.startswith(("qwen3_5", "qwen3_next")):
+        interval = _int(text, "full_attention_interval", where, default=4)
+        n_full = layers // interval
+        n_lin = layers - n_full
+        rot = int(head_dim * float(rope.get("partial_rotary_factor", 0.25)))
+        section = list(rope.get("mrope_section") or [])
+        lin_v = _shard(_int(text, "linear_num_value_heads", where), tp, "linear_num_value_heads", where)
+        lin_dim = _int(text, "linear_value_head_dim", where)
+        add("gemma_rms_norm", 1, "layer 0 input_layernorm", hidden=hidden, eps=eps)
+        add("gemma_fused_add_rms_norm", 2 * layers, "input/post_attention layernorm, final norm",
+            hidden=hidden, eps=eps)
+        add("gemma_rms_norm", n_full, "q_norm (per head)", hidden=head_dim, rows_per_token=h_tp, eps=eps)
+        add("gemma_rms_norm", n_full, "k_norm (per head)", hidden=head_dim, rows_per_token=kv_tp, eps=eps)
+        if section:
+            add("mrope", n_full, "full attention rope", heads=h_tp, kv_heads=kv_tp, head_size=head_dim,
+                rotary_dim=rot, max_position=max_pos, base=theta, mrope_section=section,
+                interleaved=bool(rope.get("mrope_interleaved", False)))
+        else:
+            add("rotary_embedding", n_full, "full attention rope", heads=h_tp, kv_heads=kv_tp,
+                head_size=head_dim, rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True)
+        add("rms_norm_gated", n_lin, "gated delta net output norm", hidden=lin_dim,
+            rows_per_token=lin_v, eps=eps, group_size=0, norm_before_gate=True)
+        add("silu_and_mul", layers, "mlp act_fn", intermediate=i_tp)
+    elif mtype in ("qwen3", "qwen2", "llama", "mistral"):
+        add("rms_norm", 1, "layer 0 input_layernorm", hidden=hidden, eps=eps)
+        add("fused_add_rms_norm", 2 * layers, "input/post_attention layernorm, final norm",
+            hidden=hidden, eps=eps)
+        if mtype == "qwen3":
+            add("rms_norm", layers, "q_norm (per head)", hidden=head_dim, rows_per_token=h_tp, eps=eps)
+            add("rms_norm", layers, "k_norm (per head)", hidden=head_dim, rows_per_token=kv_tp, eps=eps)
+        rot = int(head_dim * float(text.get("partial_rotary_factor", 1.0)))
+        add("rotary_embedding", layers, "attention rope", heads=h_tp, kv_heads=kv_tp, head_size=head_dim,
+            rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True)
+        act = str(text.get("hidden_act", "silu"))
+        op = {"silu": "silu_and_mul", "gelu": "gelu_and_mul",
+              "gelu_pytorch_tanh": "gelu_tanh_and_mul"}.get(act)
+        if op is None:
+            raise ModelConfigError(f"{where}: hidden_act {act!r} is not supported (silu, gelu, "
+                                   f"gelu_pytorch_tanh)")
+        add(op, layers, "mlp act_fn", intermediate=i_tp)
+    else:
+        raise ModelConfigError(f"{where}: model_type {mtype!r} is not supported yet; supported: "
+                               f"qwen3_5, qwen3_next, qwen3, qwen2, llama, mistral")
+    return Workload(model=src, tp=tp, dtype=dt, items=items)
