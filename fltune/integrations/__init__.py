@@ -1,0 +1,1 @@
+"""Integrations of fltune's frozen dispatch into serving engines (vLLM: ``integrations.vllm``)."""
