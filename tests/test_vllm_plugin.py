@@ -15,13 +15,16 @@ different manifest fingerprint must (and does) get a different AOT artifact dire
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -192,43 +195,50 @@ def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
 
 # ---- in-process: the layer seams against vLLM's own layers ------------------------------
 
-@pytest.fixture
-def routed_layers():
-    import torch
+@contextlib.contextmanager
+def installed(manifest):
+    """The plan of ``manifest`` installed in this process as the plugin would: OOT layer
+    classes registered, dispatch frozen; undone afterwards."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.rotary_embedding import get_rope
 
     from fltune.dispatch.frozen import freeze_dispatch
     from fltune.integrations.vllm import ops
 
     plugin = _plugin()
     plugin._reset_for_tests()
-    manifest = routed_manifest()
-    # route the fused add-norm too (split bands), to exercise the in-place op
-    manifest["ops"]["fused_add_rms_norm"]["tables"][0]["bands"] = [
-        band(1, 4, "vendor.vllm"), band(5, BIG, "reference.torch")]
-    manifest = make_manifest(manifest["ops"])
-    plan = plugin.build_plan(manifest, "t", device_type="cpu")
-    ops.set_plan(plan)
+    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
     ops.register_layers()
     freeze_dispatch(manifest)
     ops.reset_counters()
     try:
         with set_current_vllm_config(VllmConfig()):
-            norm = RMSNorm(HIDDEN, eps=1e-6).to(torch.bfloat16)
-            with torch.no_grad():
-                norm.weight.normal_(1.0, 0.1)
-            qnorm = RMSNorm(HEAD_DIM, eps=1e-6).to(torch.bfloat16)
-            act = SiluAndMul()
-            rope = get_rope(HEAD_DIM, 512, rope_parameters={"rope_type": "default",
-                                                            "rope_theta": 10000.0},
-                            dtype=torch.bfloat16)
-        yield norm, qnorm, act, rope
+            yield ops
     finally:
         plugin._reset_for_tests()
         ops.reset_counters()
+
+
+@pytest.fixture
+def routed_layers():
+    import torch
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    ops = routed_manifest()["ops"]
+    # route the fused add-norm too (split bands), to exercise the in-place op
+    ops["fused_add_rms_norm"]["tables"][0]["bands"] = [band(1, 4, "vendor.vllm"),
+                                                       band(5, BIG, "reference.torch")]
+    with installed(make_manifest(ops)):
+        norm = RMSNorm(HIDDEN, eps=1e-6).to(torch.bfloat16)
+        with torch.no_grad():
+            norm.weight.normal_(1.0, 0.1)
+        qnorm = RMSNorm(HEAD_DIM, eps=1e-6).to(torch.bfloat16)
+        act = SiluAndMul()
+        rope = get_rope(HEAD_DIM, 512, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 10000.0},
+                        dtype=torch.bfloat16)
+        yield norm, qnorm, act, rope
 
 
 def test_layers_route_match_native_and_keep_bands_under_compile(routed_layers):
@@ -291,99 +301,206 @@ def test_layers_route_match_native_and_keep_bands_under_compile(routed_layers):
     assert c["fused_add_rms_norm"] == {"vendor.vllm": 2, "reference.torch": 2}
 
 
+def test_gemma_norm_and_gelu_seams():
+    import torch
+    from vllm.model_executor.layers.activation import GeluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    manifest = make_manifest({
+        "gemma_rms_norm": {"fallback": "vendor.vllm", "tables": [
+            table([HIDDEN], [band(1, BIG, "vendor.vllm")])]},
+        "gemma_fused_add_rms_norm": {"fallback": "vendor.vllm", "tables": [
+            table([HIDDEN], [band(1, 4, "vendor.vllm"), band(5, BIG, "reference.torch")])]},
+        "gelu_tanh_and_mul": {"fallback": "vendor.vllm", "tables": [
+            table([GATE_UP], [band(1, BIG, "vendor.vllm")])]},
+        "gelu_and_mul": {"fallback": "reference.torch", "tables": [
+            table([GATE_UP], [band(1, BIG, "reference.torch")])]},
+    })
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    with installed(manifest) as ops:
+        norm = GemmaRMSNorm(HIDDEN, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(rnd(HIDDEN, scale=0.1))
+        norm = norm.to(torch.bfloat16)
+        tanh, exact = GeluAndMul(approximate="tanh"), GeluAndMul()
+        assert norm.fltune_routes == {"gemma_rms_norm", "gemma_fused_add_rms_norm"}
+        for rows in (3, 7):
+            x, res, y = rnd(rows, HIDDEN), rnd(rows, HIDDEN), rnd(rows, GATE_UP)
+            torch.testing.assert_close(norm(x), norm.forward_native(x), atol=2e-2, rtol=2e-2)
+            for a, b in zip(norm(x, res), norm.forward_native(x, res)):
+                torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(tanh(y), tanh.forward_native(y), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(exact(y), exact.forward_native(y), atol=0, rtol=0)
+        assert ops.counters() == {
+            "gemma_rms_norm": {"vendor.vllm": 2},
+            "gemma_fused_add_rms_norm": {"vendor.vllm": 1, "reference.torch": 1},
+            "gelu_tanh_and_mul": {"vendor.vllm": 2}}      # exact GELU stayed native
+
+
 # ---- end to end: real vLLM engines in subprocesses --------------------------------------
+#
+# The engine runs are independent subprocesses, so they run in two background lanes (one
+# per CPU core; each lane's workers are bound to its core), started when this module
+# starts; the tests below wait for the result they assert on. Lane A: plugin off, then the
+# strict refusal, then the other-device manifest without strict (same compile-cache key as
+# "off": it must load that artifact). Lane B: the routed offline run, then the server
+# (same fingerprint and engine config as "routed").
 
-ENGINE_TIMEOUT = 300
+ENGINE_TIMEOUT = 420
+ENGINE_KWARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                     max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256,
+                     gpu_memory_utilization=0.3, seed=0)
+ENGINE_CLI_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
+                   "--max-model-len", "256", "--max-num-seqs", "4",
+                   "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.3",
+                   "--seed", "0"]
 
 
-@pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_e2e")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLTUNE_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(root / "vllm_cache"),
-               PYTHONUNBUFFERED="1", FLTUNE_COUNTERS_INTERVAL="0.2")
-    return {"root": root, "env": env,
-            "manifest": write(root / "routed.json", routed_manifest()),
-            "other": write(root / "h200.json", other_device_manifest())}
+class Engines:
+    """Runs the engine subprocesses in lanes; ``get(name)`` waits for one's result."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("FLTUNE_")}
+        self.env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(root / "vllm_cache"),
+                        PYTHONUNBUFFERED="1", FLTUNE_COUNTERS_INTERVAL="0.2")
+        self.manifest = write(root / "manifest_routed.json", routed_manifest())
+        self.other = write(root / "manifest_h200.json", other_device_manifest())
+        self.results: dict = {}
+        self.done: dict = {}
+        self.procs: list = []
+        self.threads: list = []
+        self.closing = threading.Event()
+
+    def lane(self, core: int, steps):
+        def run():
+            for name, fn in steps:
+                t0 = time.monotonic()
+                try:
+                    res = fn(core)
+                except BaseException as e:   # reported by the test that asks for it
+                    res = e
+                if isinstance(res, dict):
+                    res["seconds"] = round(time.monotonic() - t0, 1)
+                self.results[name] = res
+                self.done[name].set()
+        for name, _ in steps:
+            self.done[name] = threading.Event()
+        t = threading.Thread(target=run, daemon=True, name=f"lane-{core}")
+        self.threads.append(t)
+        t.start()
+
+    def get(self, name):
+        assert self.done[name].wait(ENGINE_TIMEOUT * 3), f"{name} did not finish"
+        res = self.results[name]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def lane_env(self, core, **extra):
+        return dict(self.env, VLLM_CPU_OMP_THREADS_BIND=str(core), **extra)
+
+    def offline(self, name, core, **extra):
+        out = self.root / f"result_{name}.json"
+        counters = self.root / f"counters_{name}.json"
+        env = self.lane_env(core, FLTUNE_COUNTERS_FILE=str(counters), **extra)
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "offline",
+                                 str(out)], env=env, cwd=str(self.root),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs.append(proc)
+        try:
+            log, _ = proc.communicate(timeout=ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log, _ = proc.communicate()
+        (self.root / f"{name}.log").write_text(log)
+        return {"rc": proc.returncode, "log": log,
+                "result": json.loads(out.read_text()) if out.exists() else None,
+                "counters": read_counters(counters), "counters_file": counters,
+                "engine_seconds": round(time.monotonic() - t0, 1)}
+
+    def server(self, core):
+        port = _free_port()
+        counters = self.root / "counters_server.json"
+        env = self.lane_env(core, FLTUNE_COUNTERS_FILE=str(counters))
+        args = [str(FIXTURE), "--served-model-name", "tiny", "--host", "127.0.0.1",
+                "--port", str(port), *ENGINE_CLI_ARGS]
+        code = ("import sys, json; from fltune.integrations.vllm.serve import serve; "
+                "serve(sys.argv[1], False, json.loads(sys.argv[2]))")
+        log_path = self.root / "server.log"
+        out = {"log_path": log_path}
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-c", code, self.manifest,
+                                     json.dumps(args)], env=env, cwd=str(self.root),
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.own_group = True
+        self.procs.append(proc)
+        try:
+            t0 = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError("server exited:\n" + log_path.read_text()[-4000:])
+                try:
+                    if _http(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if time.monotonic() - t0 > ENGINE_TIMEOUT or self.closing.is_set():
+                    raise RuntimeError("server not ready:\n" + log_path.read_text()[-4000:])
+                time.sleep(1)
+            out["ready_seconds"] = round(time.monotonic() - t0, 1)
+            out["status"], out["body"] = _http(
+                f"http://127.0.0.1:{port}/v1/completions",
+                {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                 "temperature": 0, "return_token_ids": True}, timeout=120)
+            # the worker rewrites the file every 0.2 s; decode steps (<= 4 rows) are the
+            # ones that reach silu_and_mul's vendor band, warm-up (256 rows) never does
+            deadline = time.monotonic() + 15
+            while "vendor.vllm" not in read_counters(counters).get("counters", {}).get(
+                    "silu_and_mul", {}):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            out["counters"] = read_counters(counters)
+        finally:
+            _stop_group(proc)
+        out["log"] = log_path.read_text()
+        return out
+
+    def close(self):
+        self.closing.set()
+        for t in self.threads:
+            t.join(timeout=60)
+        for p in self.procs:
+            if p.poll() is None:
+                _stop_group(p) if getattr(p, "own_group", False) else p.kill()
 
 
-def run_offline(e2e, name, extra_env=None, timeout=ENGINE_TIMEOUT):
-    out = e2e["root"] / f"{name}.json"
-    env = dict(e2e["env"], **(extra_env or {}))
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "offline", str(out)],
-                          env=env, cwd=str(e2e["root"]), capture_output=True, text=True,
-                          timeout=timeout)
-    log = proc.stdout + proc.stderr
-    (e2e["root"] / f"{name}.log").write_text(log)
-    result = json.loads(out.read_text()) if out.exists() else None
-    return proc.returncode, result, log, time.monotonic() - t0
+def _stop_group(proc):
+    """SIGTERM the server's process group (it was started in its own session), then KILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def read_counters(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-@pytest.fixture(scope="module")
-def baseline(e2e):
-    rc, result, log, secs = run_offline(e2e, "off")
-    assert rc == 0 and result is not None, log[-4000:]
-    assert "fltune manifest" not in log and "MANIFEST NOT APPLIED" not in log
-    return result
-
-
-@pytest.fixture(scope="module")
-def routed_run(e2e):
-    counters = e2e["root"] / "counters_offline.json"
-    rc, result, log, secs = run_offline(e2e, "routed", {
-        "FLTUNE_MANIFEST": e2e["manifest"], "FLTUNE_COUNTERS_FILE": str(counters)})
-    assert rc == 0 and result is not None, log[-4000:]
-    return result, read_counters(counters), log
-
-
-def test_offline_llm_routes_as_the_manifest_says(baseline, routed_run):
-    result, counters, log = routed_run
-    c = counters["counters"]
-    # every routed op ran through the implementations the manifest names, both silu bands
-    assert c["rms_norm"].keys() == {"vendor.vllm"} and c["rms_norm"]["vendor.vllm"] > 0
-    assert c["rotary_embedding"].keys() == {"vendor.vllm"}
-    assert c["silu_and_mul"]["vendor.vllm"] > 0 and c["silu_and_mul"]["reference.torch"] > 0
-    assert "fused_add_rms_norm" not in c          # all-native winners: vLLM's own path
-    # 2 layers x (input, post-attention, q, k norms) + the final norm; one shared rope
-    assert counters["layers"] == {"RMSNorm": 9, "SiluAndMul": 2, "RotaryEmbedding": 1}
-    assert counters["routed_without_layer"] == []
-    # greedy output of the dummy-weight model is the plugin-off output
-    assert result["tokens"] == baseline["tokens"]
-    assert "compiled" in result["mode"]
-
-
-def test_fingerprint_in_additional_config_and_compile_cache_key(routed_run, e2e):
-    _, counters, _ = routed_run
-    fp = json.loads(Path(e2e["manifest"]).read_text())["fingerprint"]
-    assert counters["fingerprint"] == fp
-    assert counters["additional_config"]["fltune_dispatch_fingerprint"] == fp
-    hashes = counters["config_hash"]
-    assert hashes["before"] != hashes["after"]      # VllmConfig.compute_hash sees it
-    # the AOT artifact directories (keyed by compute_hash) differ between plugin on and off
-    aot = e2e["root"] / "vllm_cache" / "torch_compile_cache" / "torch_aot_compile"
-    assert aot.is_dir() and len([p for p in aot.iterdir() if p.is_dir()]) >= 2
-
-
-def test_other_device_manifest_warns_and_changes_nothing(baseline, e2e):
-    counters = e2e["root"] / "counters_other.json"
-    rc, result, log, _ = run_offline(e2e, "other_device", {
-        "FLTUNE_MANIFEST": e2e["other"], "FLTUNE_COUNTERS_FILE": str(counters)})
-    assert rc == 0 and result is not None, log[-4000:]
-    assert "MANIFEST NOT APPLIED" in log and "another device" in log
-    assert result["tokens"] == baseline["tokens"]
-    assert not counters.exists()
-
-
-def test_other_device_manifest_strict_refuses(e2e):
-    rc, result, log, secs = run_offline(e2e, "other_device_strict", {
-        "FLTUNE_MANIFEST": e2e["other"], "FLTUNE_STRICT": "1"}, timeout=180)
-    assert rc != 0 and result is None
-    assert "refusing to start" in log and "another device" in log
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def _free_port() -> int:
@@ -394,69 +511,111 @@ def _free_port() -> int:
 
 def _http(url, body=None, timeout=10):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.status, json.loads(r.read() or b"null")
 
 
-def test_openai_server_through_serve(baseline, e2e):
-    port = _free_port()
-    counters = e2e["root"] / "counters_server.json"
-    env = dict(e2e["env"], FLTUNE_COUNTERS_FILE=str(counters))
-    args = [str(FIXTURE), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port",
-            str(port), *ENGINE_CLI_ARGS]
-    code = ("import sys, json; from fltune.integrations.vllm.serve import serve; "
-            "serve(sys.argv[1], False, json.loads(sys.argv[2]))")
-    log_path = e2e["root"] / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code, e2e["manifest"],
-                                 json.dumps(args)], env=env, cwd=str(e2e["root"]),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if _http(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            time.sleep(1)
-        status, body = _http(f"http://127.0.0.1:{port}/v1/completions", {
-            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "return_token_ids": True}, timeout=60)
-        assert status == 200
-        choice = body["choices"][0]
-        assert choice["token_ids"] == baseline["tokens"][0]
-        deadline = time.monotonic() + 10
-        while not read_counters(counters).get("counters", {}).get("silu_and_mul"):
-            assert time.monotonic() < deadline, "no counters from the server's worker"
-            time.sleep(0.2)
-        c = read_counters(counters)
-        assert c["counters"]["rms_norm"].keys() == {"vendor.vllm"}
-        assert c["additional_config"]["fltune_dispatch_fingerprint"] == json.loads(
-            Path(e2e["manifest"]).read_text())["fingerprint"]
-        text = log_path.read_text()
-        assert "fltune manifest" in text and "[1,4]=vendor.vllm" in text   # the printed table
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    eng = Engines(tmp_path_factory.mktemp("vllm_e2e"))
+    eng.lane(0, [
+        ("off", lambda core: eng.offline("off", core)),
+        ("strict", lambda core: eng.offline("strict", core, FLTUNE_MANIFEST=eng.other,
+                                            FLTUNE_STRICT="1")),
+        ("other_device", lambda core: eng.offline("other_device", core,
+                                                  FLTUNE_MANIFEST=eng.other)),
+    ])
+    eng.lane(1, [
+        ("routed", lambda core: eng.offline("routed", core, FLTUNE_MANIFEST=eng.manifest)),
+        ("server", eng.server),
+    ])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_engines_first(request):
+    """Start the lanes when the module starts, so the in-process tests overlap them."""
+    if any("engines" in getattr(item, "fixturenames", ()) for item in request.session.items
+           if getattr(item, "module", None) is request.module):
+        request.getfixturevalue("engines")
+
+
+def ok(run):
+    assert run["rc"] == 0 and run["result"] is not None, run["log"][-4000:]
+    return run
+
+
+def test_offline_llm_routes_as_the_manifest_says(engines):
+    off, routed = ok(engines.get("off")), ok(engines.get("routed"))
+    assert "fltune manifest" not in off["log"] and not off["counters"]
+    c = routed["counters"]["counters"]
+    # every routed op ran through the implementations the manifest names, both silu bands
+    assert c["rms_norm"].keys() == {"vendor.vllm"} and c["rms_norm"]["vendor.vllm"] > 0
+    assert c["rotary_embedding"].keys() == {"vendor.vllm"}
+    assert c["silu_and_mul"]["vendor.vllm"] > 0 and c["silu_and_mul"]["reference.torch"] > 0
+    assert "fused_add_rms_norm" not in c          # all-native winners: vLLM's own path
+    # 2 layers x (input, post-attention, q, k norms) + the final norm; one shared rope
+    assert routed["counters"]["layers"] == {"RMSNorm": 9, "SiluAndMul": 2,
+                                            "RotaryEmbedding": 1}
+    assert routed["counters"]["routed_without_layer"] == []
+    # the graph was compiled (Dynamo + Inductor) with the band-dispatch ops inside it
+    assert routed["result"]["mode"].startswith("compiled")
+    # greedy output of the dummy-weight model is the plugin-off output
+    assert routed["result"]["tokens"] == off["result"]["tokens"]
+
+
+def test_fingerprint_in_additional_config_and_compile_cache_key(engines):
+    routed = ok(engines.get("routed"))
+    ok(engines.get("off"))
+    fp = json.loads(Path(engines.manifest).read_text())["fingerprint"]
+    c = routed["counters"]
+    assert c["fingerprint"] == fp
+    assert c["additional_config"]["fltune_dispatch_fingerprint"] == fp
+    assert c["config_hash"]["before"] != c["config_hash"]["after"]   # compute_hash sees it
+    # vLLM's AOT artifact directory is keyed by compute_hash: plugin on and off differ
+    assert aot_key(routed["log"]) != aot_key(engines.get("off")["log"])
+
+
+def aot_key(log: str) -> str:
+    """The compile-cache key vLLM used, from its 'saved AOT compiled function to' line."""
+    keys = set(re.findall(r"torch_aot_compile/([0-9a-f]{16,})", log))
+    assert len(keys) == 1, keys
+    return keys.pop()
+
+
+def test_other_device_manifest_warns_and_changes_nothing(engines):
+    off, other = ok(engines.get("off")), ok(engines.get("other_device"))
+    assert "MANIFEST NOT APPLIED" in other["log"] and "another device" in other["log"]
+    assert other["result"]["tokens"] == off["result"]["tokens"]
+    assert not other["counters_file"].exists()
+    assert aot_key(other["log"]) == aot_key(off["log"])       # the very same compile key
+
+
+def test_other_device_manifest_strict_refuses(engines):
+    run = engines.get("strict")
+    assert run["rc"] != 0 and run["result"] is None
+    assert "refusing to start" in run["log"] and "another device" in run["log"]
+
+
+def test_openai_server_through_serve(engines):
+    off, srv = ok(engines.get("off")), engines.get("server")
+    assert srv["status"] == 200, srv["log"][-4000:]
+    assert srv["body"]["choices"][0]["token_ids"] == off["result"]["tokens"][0]
+    c = srv["counters"]
+    assert c["counters"]["rms_norm"].keys() == {"vendor.vllm"}
+    assert c["counters"]["silu_and_mul"].keys() == {"vendor.vllm", "reference.torch"}
+    # serve() passed the fingerprint on the command line, so every process (API server,
+    # engine core, worker) has it, and the worker compiled under the routed run's key
+    assert c["config_hash"]["before"] == c["config_hash"]["after"]
+    assert aot_key(srv["log"]) == aot_key(engines.get("routed")["log"])
+    fp = json.loads(Path(engines.manifest).read_text())["fingerprint"]
+    assert c["additional_config"]["fltune_dispatch_fingerprint"] == fp
+    assert "fltune manifest" in srv["log"] and "[1,4]=vendor.vllm" in srv["log"]  # the table
 
 
 # ---- the engine driver (runs in a subprocess) -------------------------------------------
-
-ENGINE_KWARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                     max_model_len=256, gpu_memory_utilization=0.3, seed=0)
-ENGINE_CLI_ARGS = ["--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16",
-                   "--max-model-len", "256", "--gpu-memory-utilization", "0.3", "--seed", "0"]
-
 
 def _drive_offline(out_path: str) -> None:
     from vllm import LLM, SamplingParams
