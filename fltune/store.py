@@ -85,20 +85,35 @@ class CalibrationDB:
             self.db = sqlite_utils.Database(conn)
             names = self.db.table_names()
         except sqlite3.DatabaseError as e:
+            conn.close()
             raise DBError(f"{self.path} is not a usable SQLite calibration DB ({e}). It was "
                           f"left untouched; point --db at another file, or move this one "
                           f"away and calibrate again") from None
-        if names and "meta" not in names:
+        if names and ("meta" not in names or not self._is_fltune_meta()):
+            conn.close()
             raise DBError(f"{self.path} is an SQLite file but not an fltune calibration DB "
                           f"(tables: {', '.join(sorted(names)[:6])}). It was left untouched; "
                           f"use another --db path")
+        version = self.schema_version()
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise DBError(f"{self.path} has schema version {version}, newer than this fltune "
+                          f"understands ({SCHEMA_VERSION}). It was left untouched; upgrade "
+                          f"fltune (pip install -U fltune) to read it")
         try:
             self._wal()
         except sqlite3.DatabaseError as e:
+            conn.close()
             raise DBError(f"{self.path}: cannot open ({e}); it was left untouched. If it is "
                           f"damaged, move it away and calibrate again") from None
         self._ensure_schema()
 
+    def _is_fltune_meta(self) -> bool:
+        cols = {c.name for c in self.db["meta"].columns}
+        if cols != {"key", "value"}:
+            return False
+        row = self.db.execute("select value from meta where key='schema_version'").fetchone()
+        return row is not None
     def _wal(self):
         if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
             self.db.execute("PRAGMA journal_mode=wal")

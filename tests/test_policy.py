@@ -246,9 +246,6 @@ def test_bad_env_values(env, source, what):
     assert source in str(e.value) and what in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: an invalid FLTUNE_PREFER/VLLM_FL_PREFER is "
-                   "reported as 'policy from environment: prefer: ...' without naming the "
-                   "variable that was read (fltune/dispatch/policy.py, from_env)")
 @pytest.mark.parametrize("var", ["FLTUNE_PREFER", "VLLM_FL_PREFER"])
 def test_bad_prefer_env_names_the_variable(var):
     with pytest.raises(PolicyError, match=var):
@@ -280,10 +277,6 @@ def test_missing_yaml_file_names_it(tmp_path):
         SelectionPolicy.from_env({"VLLM_FL_CONFIG": path})
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: a scalar vendor list in YAML "
-                   "('deny_vendors: vllm') becomes frozenset('vllm') = {'v','l','m'}, so the "
-                   "vendor is silently NOT denied (fltune/dispatch/policy.py, from_yaml: "
-                   "kw[key] = frozenset(kw[key] or ()))")
 def test_yaml_scalar_vendor_list_is_not_split_into_letters(tmp_path):
     path = _yaml(tmp_path, "deny_vendors: vllm\n")
     try:
@@ -293,10 +286,6 @@ def test_yaml_scalar_vendor_list_is_not_split_into_letters(tmp_path):
     assert p.deny_vendors == {"vllm"}
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: non-string YAML values reach the policy "
-                   "unchecked and raise AttributeError/TypeError instead of PolicyError "
-                   "(fltune/dispatch/policy.py: _check_token calls tok.strip() on an int; "
-                   "`prefer: [vendor]` hits `in PREFER_TOKENS` with a list -> unhashable)")
 @pytest.mark.parametrize("text", ["per_op_order:\n  rms_norm: [vendor, 3]\n",
                                   "prefer: [vendor]\n"])
 def test_yaml_wrong_types_give_policy_error(tmp_path, text):

@@ -248,21 +248,12 @@ def test_newer_schema_refused_with_version(tmp_path):
     _assert_refused_untouched(path, "schema version 99")
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: CalibrationDB.__init__ switches the file to "
-                   "WAL (self._wal(), fltune/store.py) BEFORE _ensure_schema() checks the "
-                   "version, so a schema-99 DB in rollback-journal mode is rewritten (header "
-                   "bytes change, -wal/-shm appear) although the DBError says 'It was left "
-                   "untouched'")
 def test_newer_schema_rollback_journal_db_untouched(tmp_path):
     path = tmp_path / "future_rj.db"
     _newer_db(path, wal=False)
     _assert_refused_untouched(path, "schema version 99")
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: an SQLite file with its own unrelated 'meta' "
-                   "table passes the 'not an fltune DB' check (fltune/store.py: only `'meta' not "
-                   "in names` is tested), is switched to WAL and migrated, and fails with "
-                   "sqlite3.OperationalError 'no such column: value' instead of DBError")
 def test_foreign_db_with_meta_table_refused_untouched(tmp_path):
     path = tmp_path / "app.db"
     con = sqlite3.connect(path)

@@ -28,7 +28,9 @@ class PolicyError(ValueError):
     """A policy value that cannot be understood; the message names the source and the fix."""
 
 
-def _check_token(tok: str, where: str) -> str:
+def _check_token(tok, where: str) -> str:
+    if not isinstance(tok, str):
+        raise PolicyError(f"{where}: order tokens must be strings, got {tok!r}")
     tok = tok.strip()
     if tok in PREFER_TOKENS or (tok.startswith(("vendor:", "impl:")) and len(tok.split(":", 1)[1]) > 0):
         return tok
@@ -45,7 +47,7 @@ class SelectionPolicy:
     deny_vendors: frozenset = frozenset()
 
     def __post_init__(self):
-        if self.prefer not in PREFER_TOKENS:
+        if not isinstance(self.prefer, str) or self.prefer not in PREFER_TOKENS:
             raise PolicyError(f"prefer: unknown value {self.prefer!r}; use flagos, vendor or "
                               f"reference")
         object.__setattr__(self, "per_op_order", {
@@ -73,6 +75,9 @@ class SelectionPolicy:
         src, v = get("PREFER")
         if v is not None:
             base["prefer"] = v.strip().lower()
+            if base["prefer"] not in PREFER_TOKENS:
+                raise PolicyError(f"policy from environment: {src}: unknown value {v!r}; use "
+                                  f"flagos, vendor or reference")
         src, v = get("STRICT")
         if v is not None:
             base["strict"] = _parse_bool(v, src)
@@ -119,7 +124,13 @@ class SelectionPolicy:
                                   for op, v in per.items()}
         for key in ("allow_vendors", "deny_vendors"):
             if key in kw:
-                kw[key] = frozenset(kw[key] or ())
+                v = kw[key] or ()
+                if isinstance(v, str):          # `deny_vendors: vllm` means one vendor
+                    v = [x.strip() for x in v.split(",") if x.strip()]
+                if not isinstance(v, (list, tuple, set)) or not all(isinstance(x, str) for x in v):
+                    raise PolicyError(f"policy file {path}: {key} must be a list of vendor "
+                                      f"names, got {kw[key]!r}")
+                kw[key] = frozenset(v)
         try:
             return cls(**kw)
         except PolicyError as e:

@@ -147,7 +147,14 @@ def before_load_model(runner) -> None:
         return
     from .plugin import ADDITIONAL_CONFIG_KEY, fail
 
+    from .plugin import FltunePluginError, exact_device_problem
+
     try:
+        if not plan.device_checked:
+            why = exact_device_problem(plan.manifest)
+            if why is not None:
+                raise FltunePluginError(f"{plan.source} was frozen for another device: "
+                                        f"{why}")
         fd = frozen.current()
         if fd is None or fd.fingerprint != plan.fingerprint:
             fd = frozen.freeze_dispatch(plan.manifest)

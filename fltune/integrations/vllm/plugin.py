@@ -97,6 +97,8 @@ class Plan:
     unseamed: tuple
     strict: bool = False
     settings: Optional[Settings] = field(default=None, compare=False)
+    #: whether the exact device/driver check already ran in this process
+    device_checked: bool = False
 
 
 # ---- building the plan (no side effects) ------------------------------------------------
@@ -123,16 +125,40 @@ def resolve_manifest(settings: Settings) -> tuple:
             log.info("fltune: both %s and %s are set; using the manifest", ENV_MANIFEST,
                      ENV_DB)
         return frozen.load_manifest(settings.manifest), settings.manifest
+    manifest = freeze_db(settings.db, strict=settings.strict)
+    return manifest, f"{settings.db} (frozen for this device)"
+
+
+def freeze_db(db_path: str, strict: bool = False) -> dict:
+    """``fltune.freeze.manifest_for_this_device(db_path)``, checked; its warnings logged."""
     try:
         from ...freeze import manifest_for_this_device
     except ImportError as e:
         raise FltunePluginError(
             f"{ENV_DB} is set, but this fltune cannot freeze a DB at start "
             f"(fltune.freeze.manifest_for_this_device: {e}); freeze it with `fltune freeze "
-            f"--db {settings.db} --out m.json` and set {ENV_MANIFEST}=m.json instead") from e
-    manifest = manifest_for_this_device(settings.db)
-    frozen.verify_manifest(manifest, f"manifest frozen from {settings.db}")
-    return manifest, f"{settings.db} (frozen for this device)"
+            f"--db {db_path} --out m.json` and set {ENV_MANIFEST}=m.json instead") from e
+    got = manifest_for_this_device(db_path, strict=strict)
+    manifest, warnings = got if isinstance(got, tuple) else (got, [])
+    for w in warnings:
+        log.warning("fltune: %s", w)
+    frozen.verify_manifest(manifest, f"manifest frozen from {db_path}")
+    return manifest
+
+
+def exact_device_problem(manifest: dict) -> Optional[str]:
+    """Why ``manifest`` was not measured on this very device and driver (device key:
+    name, capability, SM/core count, memory; ``fltune.freeze.check_device``), or None.
+
+    Only call it where touching the device is harmless: on CUDA it queries device 0, which
+    in the API server or engine-core process would create a CUDA context (memory on GPU 0,
+    and vLLM would have to spawn its workers). The plugin calls it in the model process
+    (the load_model hook) and, on CPU, already in ``register``."""
+    try:
+        from ...freeze import check_device
+    except ImportError:
+        return None
+    return check_device(manifest)
 
 
 def _manifest_device_type(manifest: dict) -> Optional[str]:
@@ -162,8 +188,14 @@ def band_winners(entry: dict) -> list:
 
 def build_plan(manifest: dict, source: str, *, device_type: str,
                capability: Optional[tuple] = None, strict: bool = False,
-               registry=None, settings: Optional[Settings] = None) -> Plan:
-    """Check ``manifest`` for this device and decide what is routed. Changes nothing."""
+               exact_device: bool = False, registry=None,
+               settings: Optional[Settings] = None) -> Plan:
+    """Check ``manifest`` for this device and decide what is routed. Changes nothing.
+
+    Checks, in order: format and fingerprint; the device type it was frozen for; with
+    ``exact_device``, the very device and driver (:func:`exact_device_problem`); that
+    every implementation it names is registered and qualifies here for the table's dtype.
+    """
     from ...dispatch.types import QualifyContext
     from ...ops import dtype_from_name
 
@@ -174,6 +206,11 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
             f"{source} was frozen for another device ({_describe_device(manifest)}); this "
             f"process runs on {device_type}. Calibrate this device and freeze its own "
             f"manifest")
+    if exact_device:
+        why = exact_device_problem(manifest)
+        if why is not None:
+            raise FltunePluginError(f"{source} was frozen for another device: {why}. "
+                                    f"Calibrate this device and freeze its own manifest")
     if registry is None:
         from ...dispatch.manager import get_default_manager
         registry = get_default_manager().registry
@@ -210,7 +247,7 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
             routed[op_name] = tuple(dict.fromkeys(winners))
     return Plan(manifest=manifest, source=source, fingerprint=manifest["fingerprint"],
                 routed=routed, native=tuple(native), unseamed=tuple(unseamed),
-                strict=strict, settings=settings)
+                strict=strict, settings=settings, device_checked=exact_device)
 
 
 def plan_table(plan: Plan) -> str:
@@ -262,8 +299,11 @@ def apply(settings: Settings) -> Optional[Plan]:
     try:
         manifest, source = resolve_manifest(settings)
         device_type, cap = this_device()
+        # the exact device check touches the device: here only where that is harmless
+        # (CPU); on an accelerator the load_model hook runs it in the model's process
         plan = build_plan(manifest, source, device_type=device_type, capability=cap,
-                          strict=settings.strict, settings=settings)
+                          strict=settings.strict, exact_device=device_type == "cpu",
+                          settings=settings)
         if plan.routed:
             conflicts = ops.oot_conflicts()
             if conflicts:

@@ -44,7 +44,7 @@ def manifest_cache_dir() -> Path:
     return Path(base) / "manifests"
 
 
-def resolve(path: str) -> tuple:
+def resolve(path: str, strict: bool = False) -> tuple:
     """(manifest dict, manifest file path, source text) for a manifest or a DB path."""
     p = Path(path)
     if not p.exists():
@@ -52,13 +52,7 @@ def resolve(path: str) -> tuple:
                          f"from `fltune freeze`)")
     if not _is_sqlite(p):
         return frozen.load_manifest(str(p)), str(p.resolve()), str(p)
-    try:
-        from ...freeze import manifest_for_this_device
-    except ImportError as e:
-        raise ServeError(f"{path} is a calibration DB, but this fltune cannot freeze it "
-                         f"(fltune.freeze.manifest_for_this_device: {e})") from e
-    manifest = manifest_for_this_device(str(p))
-    frozen.verify_manifest(manifest, f"manifest frozen from {path}")
+    manifest = plugin.freeze_db(str(p), strict=strict)
     out = manifest_cache_dir() / f"{manifest['fingerprint'][:16]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
@@ -115,10 +109,10 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     for k in (plugin.ENV_MANIFEST, plugin.ENV_DB, plugin.ENV_STRICT):
         env.pop(k, None)
     try:
-        manifest, manifest_file, source = resolve(manifest_or_db_path)
+        manifest, manifest_file, source = resolve(manifest_or_db_path, strict)
         device_type, cap = _device_facts()
         plan = plugin.build_plan(manifest, source, device_type=device_type, capability=cap,
-                                 strict=strict)
+                                 strict=strict, exact_device=True)
     except Exception as e:
         if strict:
             raise ServeError(f"fltune serve --strict: refusing to start: "
@@ -137,9 +131,13 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
 
 def serve(manifest_or_db_path: str, strict: bool = False, vllm_args: Sequence[str] = ()):
     """Freeze/check ``manifest_or_db_path`` for this device, print the op table, and
-    replace this process with vLLM's OpenAI server. Raises :class:`ServeError` (strict)
-    before exec; never returns otherwise."""
-    argv, env, _ = prepare(manifest_or_db_path, strict, vllm_args)
+    replace this process with vLLM's OpenAI server. Returns 2 (after saying why) when
+    ``strict`` and the manifest cannot be applied; never returns otherwise."""
+    try:
+        argv, env, _ = prepare(manifest_or_db_path, strict, vllm_args)
+    except ServeError as e:
+        print(f"fltune: error: {e}", file=sys.stderr, flush=True)
+        return 2
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, env)
