@@ -372,10 +372,6 @@ def _fused_add_scales_weight(x, residual, weight, eps):
     return x, residual
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: fltune/tune/parity.py check() only looks for "
-                   "mutated inputs when the op is pure (`if not spec.mutates:`); an in-place op's "
-                   "candidate that also overwrites arguments outside spec.mutates (the shared "
-                   "cos_sin_cache, positions, the norm weight) passes parity with score 1.0")
 @pytest.mark.parametrize("op,fn", [("rotary_embedding", _rope_trashes_cache),
                                    ("fused_add_rms_norm", _fused_add_scales_weight)])
 def test_in_place_candidate_must_not_touch_other_args(op, fn):
