@@ -270,9 +270,6 @@ def test_empty_dir_is_unknown_model(tmp_path):
 
 # Bugs found: these hostile values escape as other exception types or give an invalid
 # workload. Each is a deterministic repro of one defect in fltune/tune/workload.py.
-@pytest.mark.xfail(strict=True, reason="source bug: fltune/tune/workload.py derive() runs "
-                   "float() on rms_norm_eps / rope_theta / partial_rotary_factor unchecked: a "
-                   "string gives ValueError, a list TypeError, not ModelConfigError")
 @pytest.mark.parametrize("where,key,value", [
     ("text", "rms_norm_eps", "tiny"),
     ("text", "rms_norm_eps", [1e-6]),
@@ -286,9 +283,6 @@ def test_non_numeric_float_fields(tmp_path, where, key, value):
         derive(str(_write(tmp_path / "m", cfg)))
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: fltune/tune/workload.py derive() calls "
-                   "rope.get(...) on rope_parameters/rope_scaling without checking it is a "
-                   "mapping: a string or list raises AttributeError, not ModelConfigError")
 def test_rope_parameters_not_a_mapping(tmp_path):
     cfg = _profile(QWEN35)
     cfg["text_config"]["rope_parameters"] = "default"
@@ -296,11 +290,6 @@ def test_rope_parameters_not_a_mapping(tmp_path):
         derive(str(_write(tmp_path / "m", cfg)))
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: fltune/tune/workload.py derive() accepts a "
-                   "rotary_dim outside (0, head_dim] (partial_rotary_factor 0 -> rotary_dim 0; "
-                   "4 -> 1024 > head_dim 256) and an mrope_section that does not sum to "
-                   "rotary_dim/2 or has non-positive / non-int entries, giving a workload "
-                   "the ops cannot run")
 @pytest.mark.parametrize("rope_change", [
     {"partial_rotary_factor": 0},
     {"partial_rotary_factor": 4},
@@ -407,11 +396,6 @@ def test_property_derive_valid_or_model_config_error(base, changes, model_type, 
     _assert_positive(w, tp)
 
 
-@pytest.mark.xfail(strict=True, reason="source bug: fltune/tune/workload.py derive() does not "
-                   "validate head_dim-derived rotary geometry, rms_norm_eps, or "
-                   "rope_parameters and its rope_theta / partial_rotary_factor / mrope_section:"
-                   " hostile values escape as ValueError / TypeError / AttributeError or give "
-                   "a workload the ops cannot run (see the deterministic repros above)")
 @settings(max_examples=100, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(head_dim=st.one_of(st.just(_DROP_KEY), hostile_value),

@@ -102,6 +102,15 @@ def _int(cfg, key, where, default=None, minimum=1, maximum=1 << 20):
     return v
 
 
+def _float(cfg, key, where, default, lo, hi):
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        raise ModelConfigError(f"{where}: {key} must be a number, got {v!r}")
+    if not lo < float(v) <= hi:
+        raise ModelConfigError(f"{where}: {key}={v} is out of range ({lo}, {hi}]")
+    return float(v)
+
+
 def _shard(n, tp, what, where):
     if n % tp and n > tp:
         raise ModelConfigError(f"{where}: {what}={n} is not divisible by --tp {tp}")
@@ -127,9 +136,7 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
     heads = _int(text, "num_attention_heads", where)
     kv = _int(text, "num_key_value_heads", where, default=heads)
     head_dim = _int(text, "head_dim", where, default=hidden // heads if hidden % heads == 0 else None)
-    eps = float(text.get("rms_norm_eps", 1e-6))
-    if not 0 < eps < 1:
-        raise ModelConfigError(f"{where}: rms_norm_eps={eps} must be in (0, 1)")
+    eps = _float(text, "rms_norm_eps", where, 1e-6, 0.0, 0.5)
     h_tp, kv_tp = _shard(heads, tp, "num_attention_heads", where), _shard(kv, tp, "num_key_value_heads", where)
     i_tp = _shard(inter, tp, "intermediate_size", where)
     items: list[WorkItem] = []
@@ -140,15 +147,31 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
                                                    for k, v in dims.items())), dt, calls, where_))
 
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    if not isinstance(rope, dict):
+        raise ModelConfigError(f"{where}: rope_parameters must be an object, got {rope!r}")
+    theta = _float(rope, "rope_theta", where, text.get("rope_theta", 10000.0), 0.0, 1e12)
+
+    def rotary_dim(factor_src):
+        rot = int(head_dim * _float(factor_src, "partial_rotary_factor", where,
+                                    factor_src.get("partial_rotary_factor", 1.0), 0.0, 1.0))
+        if rot < 2 or rot % 2:
+            raise ModelConfigError(f"{where}: rotary dim {rot} (head_dim {head_dim} x "
+                                   f"partial_rotary_factor) must be an even number >= 2")
+        return rot
     max_pos = min(_int(text, "max_position_embeddings", where, default=8192, maximum=1 << 24), 8192)
 
     if mtype.startswith(("qwen3_5", "qwen3_next")):
         interval = _int(text, "full_attention_interval", where, default=4)
         n_full = layers // interval
         n_lin = layers - n_full
-        rot = int(head_dim * float(rope.get("partial_rotary_factor", 0.25)))
-        section = list(rope.get("mrope_section") or [])
+        rot = rotary_dim(rope if "partial_rotary_factor" in rope
+                         else {"partial_rotary_factor": 0.25})
+        section = rope.get("mrope_section") or []
+        if section and (not isinstance(section, list) or len(section) != 3 or
+                        not all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                for x in section) or sum(section) != rot // 2):
+            raise ModelConfigError(f"{where}: mrope_section {section!r} must be three positive "
+                                   f"integers summing to rotary_dim/2 = {rot // 2}")
         lin_v = _shard(_int(text, "linear_num_value_heads", where), tp, "linear_num_value_heads", where)
         lin_dim = _int(text, "linear_value_head_dim", where)
         add("gemma_rms_norm", 1, "layer 0 input_layernorm", hidden=hidden, eps=eps)
@@ -173,7 +196,7 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
         if mtype == "qwen3":
             add("rms_norm", layers, "q_norm (per head)", hidden=head_dim, rows_per_token=h_tp, eps=eps)
             add("rms_norm", layers, "k_norm (per head)", hidden=head_dim, rows_per_token=kv_tp, eps=eps)
-        rot = int(head_dim * float(text.get("partial_rotary_factor", 1.0)))
+        rot = rotary_dim(text)
         add("rotary_embedding", layers, "attention rope", heads=h_tp, kv_heads=kv_tp, head_size=head_dim,
             rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True)
         act = str(text.get("hidden_act", "silu"))
