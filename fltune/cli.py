@@ -6,6 +6,9 @@
   report       rich tables (or --json) of what won where, against the fixed FL order
   devices      the device keys a DB holds
   serve        vLLM with a calibrated DB (freeze for this device, then exec vLLM's server)
+  bench        manifest pick vs fixed FL order vs each backend vs oracle, measured now
+  verify       re-measure a DB's winners; exit 1 when it is stale
+  diff         two DBs (or two devices of one) side by side
 
 Human output goes through rich; ``--json`` prints one JSON document on stdout for scripts.
 Errors that are the user's to fix (unknown model, bad DB, bad policy) print one line naming
@@ -99,7 +102,8 @@ def cmd_calibrate(a) -> int:
     with prog:
         res = calibrate(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
                         settings=settings, ops=a.ops.split(",") if a.ops else None,
-                        force=a.force, progress=progress)
+                        force=a.force, progress=progress, isolate=a.isolate,
+                        candidate_timeout=a.candidate_timeout)
     if a.json:
         print(json.dumps(res.as_dict(), indent=1))
     else:
@@ -174,6 +178,95 @@ def cmd_serve(a) -> int:
     return serve(a.db or a.manifest, strict=a.strict, vllm_args=args)
 
 
+def _progress(con, title, disabled):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    return Progress(TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                    TimeRemainingColumn(), console=con, disable=disabled)
+
+
+def _write_json(doc, out):
+    if out:
+        import os
+        tmp = f"{out}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        os.replace(tmp, out)
+
+
+def cmd_bench(a) -> int:
+    import torch
+
+    from . import bench
+
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = bench.BenchSettings(device=dev, reps=a.reps, budget_s=a.budget,
+                                   cold_l2=a.cold_l2, copy_mib=a.copy_mib)
+    con = _console(a.quiet or a.json)
+    prog = _progress(con, "bench", a.quiet or a.json)
+    task = None
+
+    def progress(event, **kw):
+        nonlocal task
+        if event == "start":
+            task = prog.add_task(a.model, total=kw["total"])
+        else:
+            prog.update(task, advance=1, description=f"{kw['op']} ≤{kw['band'].hi}")
+
+    with prog:
+        doc = bench.run_bench(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
+                              settings=settings, ops=a.ops.split(",") if a.ops else None,
+                              device=a.db_device, progress=progress)
+    _write_json(doc, a.out)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        bench.render(doc)
+        if a.out:
+            con.print(f"wrote {a.out}")
+    return 0
+
+
+def cmd_verify(a) -> int:
+    from . import verify
+
+    con = _console(a.quiet or a.json)
+    prog = _progress(con, "verify", a.quiet or a.json)
+    task = None
+
+    def progress(event, **kw):
+        nonlocal task
+        if event == "start":
+            task = prog.add_task(a.db, total=kw["total"])
+        else:
+            r = kw["record"]
+            prog.update(task, advance=1, description=f"{r['op']} ≤{r['band_hi']}: {r['status']}")
+
+    with prog:
+        doc = verify.run_verify(a.db, device=a.device, ops=a.ops.split(",") if a.ops else None,
+                                noise_floor=a.noise_floor, reps=a.reps, budget_s=a.budget,
+                                progress=progress)
+    _write_json(doc, a.out)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        verify.render(doc, all_bands=a.all)
+    return 1 if doc["stale"] else 0
+
+
+def cmd_diff(a) -> int:
+    from . import diff
+
+    doc = diff.run_diff(a.a, a.b, device_a=a.device_a, device_b=a.device_b,
+                        threshold=a.threshold)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        diff.render(doc, all_bands=a.all)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fltune", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ops", help="comma-separated subset of ops")
     c.add_argument("--device", choices=["cpu", "cuda"])
     c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
+    c.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="race in this process instead of a supervised worker (faster start; "
+                        "a crashing candidate then ends the run)")
+    c.add_argument("--candidate-timeout", type=float, default=120.0,
+                   help="seconds without progress before a candidate counts as hung")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
@@ -233,6 +331,56 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse to start without a calibration for this device")
     c.add_argument("vllm_args", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_serve)
+
+    c = sub.add_parser("bench", help="manifest pick vs fixed FL order vs every backend vs "
+                                     "the oracle, measured now")
+    c.add_argument("--model", required=True,
+                   help="built-in profile name (calibrate/profiles), a model dir or config.json")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--db-device", help="the DB's device row to freeze (key prefix or name; "
+                                       "default: this machine's)")
+    c.add_argument("--tp", type=int, default=1)
+    c.add_argument("--dtype")
+    c.add_argument("--max-tokens", type=int,
+                   help="largest token band (default 16384 on GPU, 2048 on CPU)")
+    c.add_argument("--ops", help="comma-separated subset of the workload's ops")
+    c.add_argument("--reps", type=int, default=0, help="timing samples (0 = adaptive)")
+    c.add_argument("--budget", type=float, default=0.05,
+                   help="seconds of timing per candidate when adaptive")
+    c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
+    c.add_argument("--copy-mib", type=int,
+                   help="copy-bandwidth buffer in MiB (default 1024 GPU, 256 CPU)")
+    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.add_argument("--out", help="also write the JSON document to this file")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_bench)
+
+    c = sub.add_parser("verify", help="re-measure the DB's winners now; exit 1 if stale")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--device", help="the DB's device row (key prefix or name, @DRIVER); must "
+                                    "be this machine's device (default: this machine's)")
+    c.add_argument("--ops", help="comma-separated subset of ops")
+    c.add_argument("--noise-floor", type=float, default=0.10,
+                   help="smallest relative change counted as drift (default 0.10)")
+    c.add_argument("--reps", type=int, default=0)
+    c.add_argument("--budget", type=float, default=0.05)
+    c.add_argument("--all", action="store_true", help="show every band, not only drifted ones")
+    c.add_argument("--out", help="also write the JSON document to this file")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_verify)
+
+    c = sub.add_parser("diff", help="winners of two DBs, or two devices of one DB, side by side")
+    c.add_argument("a", help="calibration DB A")
+    c.add_argument("b", nargs="?", help="calibration DB B (omit to compare two devices of A)")
+    c.add_argument("--device-a", help="A's device (key prefix or name, optionally @DRIVER)")
+    c.add_argument("--device-b", help="B's device (key prefix or name, optionally @DRIVER)")
+    c.add_argument("--threshold", type=float, default=0.05,
+                   help="winner-time ratio beyond which a band counts as moved (default 0.05)")
+    c.add_argument("--all", action="store_true", help="show every band")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_diff)
     return p
 
 

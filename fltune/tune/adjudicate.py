@@ -86,11 +86,36 @@ def pick_winner(timed: list[Outcome], margin: float):
     return winner, runner_up, reason
 
 
+def _free_memory(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def adjudicate(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
-               impls: list[OpImpl], settings: Settings) -> Verdict:
+               impls: list[OpImpl], settings: Settings, progress=None) -> Verdict:
+    """``progress(phase, impl_id)`` is called before each candidate's parity check and
+    warm-up and before the interleaved race, so a supervising process knows which
+    candidate was running if this one dies (see ``tune/worker.py``)."""
     spec = get_op(op_name)
     cap = torch.cuda.get_device_capability() if settings.device == "cuda" else None
     ctx = QualifyContext(settings.device, dtype, cap)
+    # inputs, the reference and one clone per candidate must fit; a band that cannot is
+    # refused for every candidate instead of crashing the calibration
+    need = spec.bytes_moved(band.tokens, dims, dtype) * (len(impls) + 4)
+    free = _free_memory(settings.device)
+    if need > free * 0.8:
+        why = (f"band needs about {need / 2**30:.1f} GiB for inputs and copies; "
+               f"{free / 2**30:.1f} GiB free on {settings.device}")
+        return Verdict([Outcome(i, "refused", why) for i in impls], None, None, why,
+                       spec.bytes_moved(band.tokens, dims, dtype))
     gen = torch.Generator().manual_seed(settings.seed)
     args = spec.make_inputs(band.tokens, dims, dtype, settings.device, gen)
     ref = parity.reference_outputs(spec, args)
@@ -100,6 +125,8 @@ def adjudicate(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
         if why is not None:
             outcomes.append(Outcome(impl, "unqualified", why))
             continue
+        if progress:
+            progress("parity", impl.impl_id)
         p = parity.check(spec, impl.fn, args, dtype, reference=ref, floor=settings.parity_floor)
         if p.reason and p.reason.startswith("raised"):
             outcomes.append(Outcome(impl, "refused", p.reason, p))
@@ -117,7 +144,8 @@ def adjudicate(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
     cold = settings.cold_l2 and band.tokens > 512
     times = timing.time_candidates(calls, settings.device, reps=settings.reps,
                                    budget_s=settings.budget_s,
-                                   graph_calls=settings.graph_calls, cold_l2=cold) if calls else {}
+                                   graph_calls=settings.graph_calls, cold_l2=cold,
+                                   progress=progress) if calls else {}
     timed = []
     for o in passing:
         t = times.get(o.impl.impl_id)

@@ -17,6 +17,7 @@ from ..ops import dtype_from_name
 from ..store import CalibrationDB
 from .adjudicate import Settings, adjudicate, rows_for_db
 from .bands import DEFAULT_MAX_TOKENS, bands
+from .worker import WorkerPool
 from .workload import Workload, derive
 
 
@@ -30,6 +31,7 @@ class CalibrationResult:
     skipped: int = 0           # already in the DB for this device/driver/stack
     winners: list = field(default_factory=list)
     wall_s: float = 0.0
+    worker_restarts: int = 0
 
     def as_dict(self):
         return {"db": self.db_path, "run_id": self.run_id,
@@ -37,6 +39,7 @@ class CalibrationResult:
                 "model": self.workload.model, "tp": self.workload.tp,
                 "dtype": self.workload.dtype, "measured": self.measured,
                 "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
+                "worker_restarts": self.worker_restarts,
                 "winners": self.winners}
 
 
@@ -44,7 +47,11 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
               max_tokens: Optional[int] = None, settings: Optional[Settings] = None,
               ops: Optional[list] = None, force: bool = False,
               manager: Optional[OpManager] = None,
-              progress: Optional[Callable] = None) -> CalibrationResult:
+              progress: Optional[Callable] = None, isolate: bool = False,
+              candidate_timeout: float = 120.0) -> CalibrationResult:
+    """``isolate=True`` runs every race in a supervised worker process (``tune/worker.py``):
+    a candidate that crashes, hangs or poisons the CUDA context is recorded as refused
+    and the calibration goes on. The CLI turns it on by default."""
     t0 = time.perf_counter()
     settings = settings or Settings()
     workload = derive(model, tp=tp, dtype=dtype)       # validates before anything is written
@@ -65,6 +72,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     if progress:
         progress("start", total=len(tasks))
     status = "failed"
+    pool = WorkerPool(candidate_timeout) if isolate else None
     try:
         for item, band in tasks:
             dims = item.dims_dict
@@ -77,7 +85,10 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                     progress("skip", op=item.op, band=band)
                 continue
             impls = registry.get_implementations(item.op)
-            verdict = adjudicate(item.op, dims, dt, band, impls, settings)
+            if pool is not None:
+                verdict = pool.adjudicate(item.op, dims, dt, band, impls, settings)
+            else:
+                verdict = adjudicate(item.op, dims, dt, band, impls, settings)
             rows, win = rows_for_db(verdict, device=dev, stack_key=skey, op=item.op,
                                     signature=sig, dims=dims, dtype=dt, band=band,
                                     run_id=run_id, weight=item.calls)
@@ -90,6 +101,9 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                 progress("band", op=item.op, band=band, winner=win)
         status = "done"
     finally:
+        if pool is not None:
+            result.worker_restarts = pool.restarts
+            pool.close()
         db.finish_run(run_id, status)
         db.close()
     result.wall_s = time.perf_counter() - t0

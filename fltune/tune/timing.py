@@ -46,22 +46,24 @@ def _stats(samples_us, timer) -> Timing:
 
 
 def time_candidates(calls: dict, device: str, *, reps: int = 0, budget_s: float = 0.05,
-                    graph_calls: int = 20, cold_l2: bool = False) -> dict:
+                    graph_calls: int = 20, cold_l2: bool = False, progress=None) -> dict:
     """Time each ``calls[name]()`` (a no-argument closure over its own cloned inputs).
 
     Returns {name: Timing}; a candidate that raises during timing maps to the exception.
     ``reps`` = 0 picks the repetition count from a probe so the whole race takes about
     ``budget_s`` per candidate (at least 5, at most 200 samples).
     """
+    progress = progress or (lambda phase, name: None)
     if device == "cuda":
-        return _time_cuda(calls, reps, budget_s, graph_calls, cold_l2)
-    return _time_cpu(calls, reps, budget_s)
+        return _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress)
+    return _time_cpu(calls, reps, budget_s, progress)
 
 
-def _time_cpu(calls, reps, budget_s):
+def _time_cpu(calls, reps, budget_s, progress):
     out, live = {}, {}
     probe = {}
     for name, fn in calls.items():
+        progress("warmup", name)
         try:
             fn()                      # warm-up: first calls compile (inductor), fault pages
             t0 = time.perf_counter()
@@ -77,6 +79,7 @@ def _time_cpu(calls, reps, budget_s):
         reps = int(min(200, max(5, budget_s / max(worst, 1e-7))))
     samples = {n: [] for n in live}
     threads = torch.get_num_threads()
+    progress("race", None)
     for _ in range(reps):
         for name, fn in live.items():
             t0 = time.perf_counter()
@@ -87,10 +90,11 @@ def _time_cpu(calls, reps, budget_s):
     return out
 
 
-def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2):
+def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress):
     out, runners = {}, {}
     stream = torch.cuda.Stream()
     for name, fn in calls.items():
+        progress("warmup", name)
         try:
             # warm-up on a side stream (compiles, autotunes) before capture
             with torch.cuda.stream(stream):
@@ -123,6 +127,7 @@ def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2):
             s.record(); run(); e.record(); torch.cuda.synchronize()
             worst = max(worst, s.elapsed_time(e) / 1e3)
         reps = int(min(200, max(5, budget_s / max(worst, 1e-6))))
+    progress("race", None)
     samples = {n: [] for n in runners}
     ev = {n: [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
           for n in runners}
