@@ -174,6 +174,28 @@ def test_register_is_inert_without_configuration(monkeypatch):
         plugin._reset_for_tests()
 
 
+def test_register_applies_a_good_manifest_once(monkeypatch, tmp_path):
+    plugin = _plugin()
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from fltune.integrations.vllm import hooks, ops
+
+    monkeypatch.setenv("FLTUNE_MANIFEST", write(tmp_path / "m.json", routed_manifest()))
+    plugin._reset_for_tests()
+    try:
+        plugin.register()
+        plan = ops.current_plan()
+        assert plugin.STATUS["state"] == "applied" and plan is not None
+        assert plan.device_checked                     # exact device check ran (CPU)
+        assert op_registry_oot["RMSNorm"].__name__ == "FltuneRMSNorm"
+        plugin.register()                              # idempotent: same plan, no error
+        assert ops.current_plan() is plan
+        assert hooks._finder is not None or hooks._patched
+    finally:
+        plugin._reset_for_tests()
+    assert "RMSNorm" not in op_registry_oot
+
+
 def test_register_non_strict_warns_and_leaves_vllm_alone(monkeypatch, tmp_path, caplog):
     plugin = _plugin()
     from vllm.model_executor.custom_op import op_registry_oot
@@ -641,6 +663,24 @@ def test_other_device_manifest_strict_refuses(engines):
     run = engines.get("strict")
     assert run["rc"] != 0 and run["result"] is None
     assert "refusing to start" in run["log"] and "another device" in run["log"]
+
+
+def test_fltune_db_freezes_to_the_same_manifest_in_every_process(engines):
+    """FLTUNE_DB: each vLLM process freezes the DB itself; the result is a pure function
+    of the DB rows for this device, so it equals what serve() froze for the server."""
+    cal = engines.get("calibrate")
+    assert cal["rc"] == 0, cal["log"][-4000:]
+    plugin = _plugin()
+    settings = plugin.Settings.from_env({"FLTUNE_DB": str(cal["db"])})
+    a, _ = plugin.resolve_manifest(settings)
+    b, _ = plugin.resolve_manifest(settings)
+    assert a["fingerprint"] == b["fingerprint"]
+    engines.get("server")
+    frozen_files = list((engines.root / "fltune_cache" / "manifests").glob("*.json"))
+    assert [json.loads(f.read_text())["fingerprint"] for f in frozen_files] == [
+        a["fingerprint"]]
+    plan = plugin.build_plan(a, "db", device_type="cpu", exact_device=True)
+    assert set(plan.routed) | set(plan.native) | set(plan.unseamed) == set(a["ops"])
 
 
 def test_openai_server_from_a_calibrated_db(engines):
