@@ -43,9 +43,14 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no compile/graphs)")
+    ap.add_argument("--no-plugin", action="store_true",
+                    help="vanilla vLLM: unset FLTUNE_MANIFEST/FLTUNE_DB (the plugin then does nothing)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    tag = a.profile + ("-eager" if a.eager else "")
+    tag = a.profile + ("-eager" if a.eager else "") + ("-vanilla" if a.no_plugin else "")
+    if a.no_plugin:
+        os.environ.pop("FLTUNE_MANIFEST", None)
+        os.environ.pop("FLTUNE_DB", None)
     os.environ.setdefault("FLTUNE_COUNTERS_FILE", os.path.abspath(
         os.path.join(a.out, f"counters-{tag}-{{pid}}.json")))
     os.environ.setdefault("FLTUNE_COUNTERS_INTERVAL", "1")
@@ -63,17 +68,21 @@ def main():
     prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(16)]}
                for i in range(a.batch)]
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], sp)                      # warm-up
-    t0 = time.time()
-    outs = llm.generate(prompts, sp)
-    gen_s = time.time() - t0
+    llm.generate(prompts, sp)          # warm-up at the measured batch (first runs autotune)
+    runs = []
+    for _ in range(3):
+        t0 = time.time()
+        outs = llm.generate(prompts, sp)
+        runs.append(time.time() - t0)
+    gen_s = sorted(runs)[1]
     toks = [list(o.outputs[0].token_ids) for o in outs]
     time.sleep(3)                                      # let workers flush their counters
     counters = {}
     for f in glob.glob(os.path.join(a.out, f"counters-{tag}-*.json")):
         counters[os.path.basename(f)] = json.load(open(f))
     doc = {"profile": a.profile, "eager": a.eager, "manifest": os.environ.get("FLTUNE_MANIFEST"),
-           "init_s": round(init_s, 1), "generate_s": round(gen_s, 3), "batch": a.batch,
+           "init_s": round(init_s, 1), "generate_s": round(gen_s, 3),
+           "generate_runs_s": [round(r, 3) for r in runs], "batch": a.batch,
            "max_tokens": a.max_tokens,
            "output_tok_per_s": round(a.batch * a.max_tokens / gen_s, 1),
            "outputs_first_tokens": [t[:8] for t in toks], "counters": counters}
