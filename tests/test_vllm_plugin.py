@@ -10,7 +10,7 @@ Two kinds of test:
   ``__main__`` at the bottom; vLLM spawns its workers, which needs the guard): the offline
   ``LLM`` API with the plugin off, routed by a manifest, given another device's manifest
   (non-strict: warned and unchanged; strict: refused); and a real OpenAI server on
-  127.0.0.1 started through ``serve()`` from a DB calibrated on this CPU.
+  127.0.0.1 started by ``fltune serve --db`` from a DB calibrated on this CPU.
 
 Every engine subprocess shares one vLLM cache root made for this session; the compile
 cache key each run used is read from vLLM's log and compared across runs.
@@ -393,7 +393,7 @@ def test_gemma_norm_and_gelu_seams():
 # starts; the tests below wait for the result they assert on. Lane A: a real calibration
 # of the fixture on this CPU (the server's DB), plugin off, the other-device manifest
 # without strict (must compile under the same cache key as "off"), the strict refusal.
-# Lane B: the routed offline run, then the OpenAI server started from the DB.
+# Lane B: the routed offline run, then `fltune serve --db` (OpenAI server) from the DB.
 
 ENGINE_TIMEOUT = 420
 ENGINE_KWARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
@@ -495,13 +495,11 @@ class Engines:
                             FLTUNE_CACHE_DIR=str(self.root / "fltune_cache"))
         args = [str(FIXTURE), "--served-model-name", "tiny", "--host", "127.0.0.1",
                 "--port", str(port), *ENGINE_CLI_ARGS]
-        code = ("import sys, json; from fltune.integrations.vllm.serve import serve; "
-                "serve(sys.argv[1], False, json.loads(sys.argv[2]))")
         log_path = self.root / "server.log"
         out = {"log_path": log_path}
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-c", code, str(cal["db"]),
-                                     json.dumps(args)], env=env, cwd=str(self.root),
+        with open(log_path, "w") as log:       # the CLI: fltune serve --db X -- <vllm args>
+            proc = subprocess.Popen([sys.executable, "-m", "fltune", "serve", "--db",
+                                     str(cal["db"]), "--", *args], env=env, cwd=str(self.root),
                                     stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         proc.own_group = True
@@ -684,7 +682,7 @@ def test_fltune_db_freezes_to_the_same_manifest_in_every_process(engines):
 
 
 def test_openai_server_from_a_calibrated_db(engines):
-    """serve(DB): freeze the CPU calibration for this device, exec vLLM's OpenAI server,
+    """`fltune serve --db`: freeze the CPU calibration for this device, exec vLLM's server,
     answer a token-id completion over HTTP, with every call on the manifest's choice."""
     off, srv = ok(engines.get("off")), engines.get("server")
     assert srv["status"] == 200, srv["log"][-4000:]
