@@ -1,0 +1,254 @@
+"""``fltune bench``, ``verify`` and ``diff`` on the CPU, through the real CLI in subprocesses
+and real SQLite files (a tiny profile, two ops, bands up to 16 tokens).
+
+The subprocesses run with OMP_NUM_THREADS=1: vLLM's CPU kernels are OpenMP loops, and on a
+shared, oversubscribed machine a multi-threaded call waits for a descheduled thread — calls
+of ~10 µs then take ~7 ms for a while, which would make "verify right after calibrating is
+clean" a statement about the neighbours rather than about fltune. The drift rules
+themselves are tested deterministically, in process, with the timer replaced.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, child_env, make_impl
+
+TINY = ["--model", "tiny-qwen3", "--max-tokens", "16"]
+OPS = "rms_norm,silu_and_mul"
+FAST = ["--budget", "0.003", "--reps", "15"]
+ENV = child_env(OMP_NUM_THREADS="1")
+H200_DB = str(REPO / "db" / "NVIDIA-H200_driver-580.159.04.db")
+
+
+def fltune(*args, rc=0):
+    p = subprocess.run([sys.executable, "-m", "fltune", *args], capture_output=True, text=True,
+                       timeout=600, env=ENV)
+    if rc is not None and p.returncode != rc:
+        raise AssertionError(f"fltune {' '.join(args)} exited {p.returncode}, expected {rc}:\n"
+                             f"{p.stderr[-3000:]}\n{p.stdout[-2000:]}")
+    return p
+
+
+def copy_db(src, dst):
+    a, b = sqlite3.connect(src), sqlite3.connect(dst)
+    a.backup(b)
+    a.close()
+    return b
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp("bvd") / "tiny.db")
+    fltune("calibrate", *TINY, "--ops", OPS, "--db", db, *FAST, "--quiet")
+    return db
+
+
+@pytest.fixture(scope="module")
+def edited(calibrated, tmp_path_factory):
+    """A copy of the DB whose silu_and_mul winner at 8 tokens is replaced by the slowest
+    timed candidate of that band, with a tiny median time (a stale / hand-edited DB)."""
+    path = str(tmp_path_factory.mktemp("bvd_edit") / "edited.db")
+    con = copy_db(calibrated, path)
+    win = con.execute("select impl_id, median_us, signature from winners where "
+                      "op='silu_and_mul' and band_hi=8").fetchone()
+    slow = con.execute("select impl_id, median_us from measurements where op='silu_and_mul' "
+                       "and band_hi=8 and outcome='timed' and impl_id != ? order by median_us "
+                       "desc limit 1", [win[0]]).fetchone()
+    con.execute("update winners set impl_id=?, median_us=1e-3, runner_up=?, runner_up_us=?, "
+                "noise=0.01 where op='silu_and_mul' and band_hi=8", [slow[0], win[0], win[1]])
+    con.commit()
+    con.close()
+    return path, {"signature": win[2], "was": win[0], "now": slow[0]}
+
+
+def test_bench_json_has_manifest_fl_oracle_per_band(calibrated, tmp_path):
+    from fltune.bench import render
+    from fltune.freeze import build_manifest
+    from fltune.tune.bands import bands
+
+    out = tmp_path / "bench.json"
+    p = fltune("bench", *TINY, "--ops", OPS, "--db", calibrated, *FAST, "--copy-mib", "32",
+               "--json", "--quiet", "--out", str(out))
+    doc = json.loads(p.stdout)
+    assert json.loads(out.read_text())["records"] == doc["records"]
+    assert doc["format"] == "fltune.bench/1" and doc["bands"] == [1, 2, 4, 8, 16]
+    # tiny-qwen3: rms_norm x3 shapes (layer-0 norm, q_norm, k_norm) + silu_and_mul
+    recs = doc["records"]
+    assert len(recs) == 4 * len(bands(16))
+    con = sqlite3.connect(calibrated)
+    db_win = {(op, sig, hi): impl for op, sig, hi, impl in
+              con.execute("select op, signature, band_hi, impl_id from winners")}
+    from fltune.dispatch import get_default_manager
+    manifest, _ = build_manifest(calibrated, registry=get_default_manager().registry)
+    shadowed = {s["signature"] for e in manifest["ops"].values() for s in e["shadowed"]}
+    assert manifest["fingerprint"] == doc["manifest_fingerprint"]
+    for r in recs:
+        c = r["candidates"]
+        for key in ("manifest", "fl", "oracle"):
+            assert r[key]["impl_id"] in c and r[key]["us"] > 0, (key, r)
+        assert r["manifest_source"] == "table"
+        # the fixed FL order on a CPU: FlagGems does not qualify, vLLM's kernel is next
+        assert c["default.flagos"]["outcome"] == "unqualified"
+        assert r["fl"]["impl_id"] == "vendor.vllm"
+        # the oracle is this run's fastest parity-passing candidate
+        good = {k: v["median_us"] for k, v in c.items() if v.get("parity_ok")}
+        assert len(good) >= 3 and r["oracle"]["us"] == min(good.values())
+        assert r["ratios"]["manifest_vs_oracle"] >= 1.0
+        assert r["ratios"]["speedup_vs_fl"] == pytest.approx(r["fl"]["us"] / r["manifest"]["us"])
+        if r["signature"] not in shadowed:      # frozen dispatch runs the DB's band winner
+            assert r["manifest"]["impl_id"] == db_win[(r["op"], r["signature"], r["band_hi"])]
+        assert 0 < r["manifest"]["copy_share"] == pytest.approx(
+            r["bytes"] / (r["manifest"]["us"] * 1e-6) / 1e9 / doc["copy"]["gbps"])
+    assert doc["copy"]["gbps"] > 0 and len(doc["copy"]["runs"]) == 2
+    dec, pre = doc["mixes"]["decode"], doc["mixes"]["prefill"]
+    assert dec["tokens"] == [1, 8, 16] and pre["tokens"] == [16]      # clamped to the top band
+    expect = sum(r["weight"] * r["manifest"]["us"] for r in recs if r["band_hi"] in (1, 8, 16))
+    assert dec["total_us"]["manifest"] == pytest.approx(expect)
+    assert dec["total_us"]["oracle"] <= dec["total_us"]["manifest"]
+    assert dec["speedup_vs_fl"] == pytest.approx(dec["total_us"]["fl"] / dec["total_us"]["manifest"])
+    assert set(dec["backend_vs_manifest"]) >= {"vendor.vllm", "reference.torch"}
+    g = doc["goals"]
+    assert g["share_of_copy_from_4096_tokens"]["met"] is None      # no band that large here
+    assert g["manifest_never_slower_beyond_noise"]["bands_checked"] == len(recs)
+    assert set(g["workload_within_2pct_of_oracle"]["manifest_vs_oracle"]) == {"decode", "prefill"}
+
+    from rich.console import Console
+    con_ = Console(record=True, width=220)
+    render(doc, console=con_)
+    text = con_.export_text()
+    for s in ("fltune bench", "[eps=1e-06,hidden=64]", "manifest", "oracle", "decode",
+              "prefill", "goals", "copy bandwidth"):
+        assert s in text, s
+
+
+def test_verify_clean_right_after_calibrating(calibrated):
+    p = fltune("verify", "--db", calibrated, "--noise-floor", "9", *FAST, "--json", "--quiet")
+    doc = json.loads(p.stdout)
+    assert doc["stale"] is False and doc["checked"] == 20
+    assert doc["counts"] == {"ok": 20}
+    for b in doc["bands"]:
+        assert b["winner_us"] > 0 and b["runner_up_us"] > 0 and b["reasons"] == []
+
+
+def test_verify_flags_an_edited_winner_and_exits_1(edited):
+    from rich.console import Console
+
+    from fltune.verify import render
+
+    path, e = edited
+    p = fltune("verify", "--db", path, "--ops", "silu_and_mul", "--noise-floor", "9", *FAST,
+               "--json", "--quiet", rc=1)
+    doc = json.loads(p.stdout)
+    assert doc["stale"] is True and doc["checked"] == 5
+    bad = [b for b in doc["bands"] if b["status"] != "ok"]
+    assert [(b["op"], b["band_hi"]) for b in bad] == [("silu_and_mul", 8)]
+    b = bad[0]
+    assert b["winner"] == e["now"] and b["status"] in ("moved", "changed")
+    assert b["ratio"] > 10 and any("moved" in r for r in b["reasons"])
+    con = Console(record=True, width=220)
+    render(doc, console=con)
+    text = con.export_text()
+    assert "stale" in text and "1 of 5 bands drifted" in text and "--force" in text
+
+
+def test_verify_and_bench_refuse_another_devices_db():
+    for args in (["verify", "--db", H200_DB], ["bench", *TINY, "--db", H200_DB]):
+        p = fltune(*args, "--quiet", rc=2)
+        assert "measuring needs the device itself" in p.stderr and "NVIDIA H200" in p.stderr
+
+
+def test_diff_lists_exactly_the_changed_band(calibrated, edited):
+    path, e = edited
+    doc = json.loads(fltune("diff", calibrated, path, "--json").stdout)
+    assert [(r["op"], r["signature"], r["band_hi"]) for r in doc["changed"]] == [
+        ("silu_and_mul", e["signature"], 8)]
+    s = doc["summary"]
+    assert s["common"] == 20 and s["changed"] == 1 and s["only_a"] == s["only_b"] == 0
+    r = doc["changed"][0]
+    assert r["a"]["impl_id"] == e["was"] and r["b"]["impl_id"] == e["now"]
+    assert r["time_ratio"] < 1e-3                     # B's (edited) time is tiny
+    assert r["b_pick_on_a"] > 1                       # A measured B's pick slower than its own
+    text = fltune("diff", calibrated, path).stdout
+    assert "silu_and_mul" in text and "changed" in text and "winner changed in 1" in text
+    assert "rms_norm" not in text                     # unchanged bands are not listed
+
+
+def test_diff_two_devices_of_one_db(calibrated, tmp_path):
+    path = str(tmp_path / "two.db")
+    con = copy_db(calibrated, path)
+    (key, drv), = con.execute("select device_key, driver from devices").fetchall()
+    other = "feedfacecafe0001"
+    con.execute("insert into devices select ?, device_type, 'Other CPU', capability, sms, "
+                "memory_bytes, driver, runtime from devices where device_key=?", [other, key])
+    cols = [c[1] for c in con.execute("pragma table_info(winners)")]
+    sel = ", ".join("?" if c == "device_key" else c for c in cols)
+    con.execute(f"insert into winners ({', '.join(cols)}) select {sel} from winners "
+                f"where device_key=?", [other, key])
+    sig, hi, impl = con.execute(
+        "select signature, band_hi, impl_id from winners where device_key=? and op='rms_norm' "
+        "and impl_id != 'reference.torch' order by signature, band_hi limit 1", [other]).fetchone()
+    con.execute("update winners set impl_id='reference.torch' where device_key=? and "
+                "op='rms_norm' and signature=? and band_hi=?", [other, sig, hi])
+    con.commit()
+    con.close()
+    doc = json.loads(fltune("diff", path, "--device-a", key[:8], "--device-b", "Other",
+                            "--json").stdout)
+    assert doc["a"]["device"]["device_key"] == key and doc["b"]["device"]["device_key"] == other
+    assert [(r["op"], r["signature"], r["band_hi"]) for r in doc["changed"]] == [
+        ("rms_norm", sig, hi)]
+    assert doc["changed"][0]["a"]["impl_id"] == impl
+    assert doc["summary"]["common"] == 20 and doc["summary"]["time_moved"] == 0
+    p = fltune("diff", path, "--json", rc=2)
+    assert "--device-a and --device-b" in p.stderr
+    p = fltune("diff", path, "--device-a", "nope", "--device-b", "Other", rc=2)
+    assert "matches 0 devices" in p.stderr
+
+
+# ---- the drift rules, deterministically (timer replaced) ---------------------------------
+
+def _verify_one(monkeypatch, winner_db_us, now, *, runner_db_us=10.0, noise_floor=0.1,
+                margin=0.03, db_noise=0.01):
+    from fltune import verify
+    from fltune.dispatch.registry import OpRegistry
+    from fltune.ops import get_op
+    from fltune.tune import timing
+
+    spec = get_op("silu_and_mul")
+    reg = OpRegistry()
+    reg.register(make_impl("silu_and_mul", "w.impl", "reference", fn=spec.reference))
+    reg.register(make_impl("silu_and_mul", "r.impl", "reference", fn=spec.reference))
+
+    def fake(calls, device, **kw):
+        return {k: timing.Timing(now[k], now[k] * 0.99, now[k] * 1.01, 15, {"timer": "fake"})
+                for k in calls}
+    monkeypatch.setattr(verify.timing, "time_candidates", fake)
+    w = {"op": "silu_and_mul", "signature": "intermediate=8", "dims": '{"intermediate": 8}',
+         "dtype": "bf16", "band_lo": 3, "band_hi": 4, "impl_id": "w.impl",
+         "median_us": winner_db_us, "runner_up": "r.impl", "runner_up_us": runner_db_us,
+         "noise": db_noise}
+    return verify.verify_band(w, {}, reg, "cpu", None, margin=margin, noise_floor=noise_floor,
+                              reps=0, budget_s=0.001, graph_calls=1)
+
+
+def test_drift_rules(monkeypatch):
+    ok = _verify_one(monkeypatch, 5.0, {"w.impl": 5.2, "r.impl": 10.0})
+    assert ok["status"] == "ok" and ok["ratio"] == pytest.approx(1.04)
+    # the winner's time moved beyond the noise (either way)
+    assert _verify_one(monkeypatch, 5.0, {"w.impl": 6.0, "r.impl": 10.0})["status"] == "moved"
+    assert _verify_one(monkeypatch, 5.0, {"w.impl": 4.0, "r.impl": 10.0})["status"] == "moved"
+    # ... unless the noise floor covers it
+    assert _verify_one(monkeypatch, 5.0, {"w.impl": 6.0, "r.impl": 10.0},
+                       noise_floor=0.25)["status"] == "ok"
+    # the runner-up now beats the winner beyond margin and noise: a different winner
+    ch = _verify_one(monkeypatch, 5.0, {"w.impl": 5.0, "r.impl": 4.0})
+    assert ch["status"] == "changed" and "r.impl is now 25.0% faster" in ch["reasons"][0]
+    # a runner-up ahead by less than the noise is not a change
+    assert _verify_one(monkeypatch, 5.0, {"w.impl": 5.0, "r.impl": 4.8})["status"] == "ok"
+    # the calibration's own stored noise counts too
+    assert _verify_one(monkeypatch, 5.0, {"w.impl": 6.0, "r.impl": 10.0},
+                       db_noise=0.3)["status"] == "ok"
