@@ -98,6 +98,7 @@ def _us(v):
 
 def render(rep: dict, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     if console is None:
@@ -115,7 +116,9 @@ def render(rep: dict, console=None) -> None:
     for r in rep["rows"]:
         groups[(r["op"], r["signature"], r["dtype"])].append(r)
     for (op, sig, dt), rows in groups.items():
-        t = Table(title=f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step", title_justify="left")
+        # escape: rich would read "[eps=1e-06,hidden=64]" as markup and drop it
+        t = Table(title=escape(f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step"),
+                  title_justify="left")
         for col, just in (("tokens", "right"), ("winner", "left"), ("µs", "right"),
                           ("runner-up", "left"), ("gap", "right"), ("FL pick", "left"),
                           ("FL µs", "right"), ("vs FL", "right"), ("parity", "right"),
