@@ -1,13 +1,9 @@
 #!/usr/bin/env bash
 # The H200 evidence run (device tool; see ../shared/device/README.md). Carry .whl.
-#   run: bash benchmarks/h200_calibrate.sh   (with vLLM staged: PYTHONPATH=/tmp/vsite, see benchmarks/stage_vllm_h200.md)
+#   run: bash benchmarks/h200_calibrate.sh   (with vLLM staged: PYTHONPATH=/tmp/vsite, see ../shared/device/stage-vllm.sh)
 # Writes under $OUT: candidates.json, gpu_parity.json, the calibration DB (cold + warm run
 # times), the manifest and the report (text + JSON), and the log.
-set -o pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} || exit 1
+source "$(dirname "$0")/device_env.sh"
 DRV=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
 DB="$OUT/NVIDIA-H200_driver-${DRV}.db"
 {
