@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..ops import OPS
 from . import frozen
 from .discovery import DiscoveryReport, discover
 from .policy import SelectionPolicy
@@ -87,6 +88,14 @@ class OpManager:
         impls = self.qualified(op_name, ctx)
         if not impls:
             self.resolve(op_name, ctx)   # raises with the explanation
+        # An in-place candidate may write part of its output and then raise; the next one
+        # must see the inputs as the caller passed them. So when a fallback is possible,
+        # the arguments an in-place op mutates are saved first (slow path only: frozen
+        # dispatch never falls back).
+        saved = None
+        if len(impls) > 1 and not self.policy.strict and op_name in OPS and OPS[op_name].mutates:
+            saved = [(i, args[i].clone()) for i in OPS[op_name].mutates
+                     if isinstance(args[i], torch.Tensor)]
         last = None
         for impl in impls:
             try:
@@ -95,6 +104,8 @@ class OpManager:
                 self.failures[(op_name, impl.impl_id)] = f"{type(e).__name__}: {e}"
                 if self.policy.strict:
                     raise
+                for i, t in saved or ():
+                    args[i].copy_(t)
                 log.warning("fltune: %s via %s failed (%s); falling back", op_name,
                             impl.impl_id, e)
                 last = e
