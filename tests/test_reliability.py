@@ -130,3 +130,36 @@ def test_edited_manifest_and_other_device_manifest_refused(tmp_path):
     other["device"]["name"] = "NVIDIA H200"
     why = check_device(other)
     assert why and "NVIDIA H200" in why
+
+
+def test_truncated_db_is_refused_and_left_untouched(tmp_path):
+    db = tmp_path / "t.db"
+    p = run_fltune(["calibrate", "--model", "tiny-qwen3", "--db", str(db), "--ops", "silu_and_mul",
+                    "--max-tokens", "8", "--budget", "0.002", "--no-isolate", "--quiet"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    with open(db, "r+b") as f:
+        f.truncate(os.path.getsize(db) // 3)
+    before = db.read_bytes()
+    for args in (["report", "--db", str(db)],
+                 ["calibrate", "--model", "tiny-qwen3", "--db", str(db), "--max-tokens", "2",
+                  "--no-isolate", "--quiet"]):
+        p = run_fltune(args)
+        assert p.returncode == 2, (args, p.stderr[-1000:])
+        assert str(db) in p.stderr and "left untouched" in p.stderr
+        assert db.read_bytes() == before
+
+
+def test_band_too_big_for_memory_is_refused_not_crashed(monkeypatch):
+    import torch
+
+    from fltune.dispatch import get_default_manager
+    from fltune.tune import adjudicate as adj
+    from fltune.tune.bands import Band
+
+    monkeypatch.setattr(adj, "_free_memory", lambda device: 1 << 20)     # 1 MiB "free"
+    impls = get_default_manager().registry.get_implementations("silu_and_mul")
+    v = adj.adjudicate("silu_and_mul", {"intermediate": 3584}, torch.bfloat16, Band(513, 1024),
+                       impls, adj.Settings(device="cpu"))
+    assert v.winner is None
+    assert {o.outcome for o in v.outcomes} == {"refused"}
+    assert all("GiB" in o.reason for o in v.outcomes)
