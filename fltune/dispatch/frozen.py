@@ -102,13 +102,14 @@ class FrozenDispatch:
     def select(self, op_name: str, *args):
         """The implementation the frozen table picks for these arguments."""
         x = args[self._key_arg[op_name]]
-        hit = self._tables[op_name].get((x.dtype, tuple(x.shape[1:])))
+        shape = x.shape                       # one read: each .shape builds a new object
+        hit = self._tables[op_name].get((x.dtype, tuple(shape[1:])))
         if hit is None:
             return self._fallback[op_name]
         edges, impls = hit
         if not edges:
             return impls[0]
-        return impls[bisect.bisect_left(edges, x.shape[0])]
+        return impls[bisect.bisect_left(edges, shape[0])]
 
     def call(self, op_name: str, *args):
         return self.select(op_name, *args).fn(*args)
