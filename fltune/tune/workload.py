@@ -17,6 +17,7 @@ hidden size do not shard.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,8 @@ def _int(cfg, key, where, default=None, minimum=1, maximum=1 << 20):
     v = cfg.get(key, default)
     if v is None:
         raise ModelConfigError(f"{where}: missing required key {key!r}")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+    if (isinstance(v, bool) or not isinstance(v, (int, float))
+            or (isinstance(v, float) and not math.isfinite(v)) or int(v) != v):
         raise ModelConfigError(f"{where}: {key} must be an integer, got {v!r}")
     v = int(v)
     if not minimum <= v <= maximum:
