@@ -201,9 +201,8 @@ def _tables(rows: list[dict], registry) -> dict:
 
 def check_device(manifest: dict) -> Optional[str]:
     """None if the manifest was measured on this machine's device and driver, else why not."""
-    me = devmod.current(manifest.get("device", {}).get("device_type"))  \
-        if manifest.get("device", {}).get("device_type") in ("cpu", "cuda") else devmod.current()
     d = manifest.get("device", {})
+    me = devmod.current(d.get("device_type") if d.get("device_type") in ("cpu", "cuda") else None)
     if d.get("device_key") != me["device_key"]:
         return (f"manifest is for {d.get('name')} [{d.get('device_key')}], this machine is "
                 f"{devmod.label(me)} [{me['device_key']}]")
