@@ -202,6 +202,9 @@ def _tables(rows: list[dict], registry) -> dict:
 def check_device(manifest: dict) -> Optional[str]:
     """None if the manifest was measured on this machine's device and driver, else why not."""
     d = manifest.get("device", {})
+    if d.get("device_type") == "cuda" and not torch.cuda.is_available():
+        return (f"manifest is for {d.get('name')} [{d.get('device_key')}], a CUDA device; "
+                f"this machine has none")
     me = devmod.current(d.get("device_type") if d.get("device_type") in ("cpu", "cuda") else None)
     if d.get("device_key") != me["device_key"]:
         return (f"manifest is for {d.get('name')} [{d.get('device_key')}], this machine is "

@@ -163,3 +163,17 @@ def test_band_too_big_for_memory_is_refused_not_crashed(monkeypatch):
     assert v.winner is None
     assert {o.outcome for o in v.outcomes} == {"refused"}
     assert all("GiB" in o.reason for o in v.outcomes)
+
+
+def test_gpu_manifest_on_a_cpu_machine_is_a_clear_mismatch():
+    """The shipped H200 manifest, checked here (no CUDA): a reason, not a crash."""
+    import torch
+
+    from fltune.freeze import check_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    m = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" /
+                    "h200-serve-2026-11-29" / "manifest.json").read_text())
+    why = check_device(m)
+    assert why and "NVIDIA H200" in why and "CUDA" in why
