@@ -426,16 +426,13 @@ def _x(v, good_above=None):
 
 
 def render(doc: dict, console=None) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from .report import short
+    from .report import short, wide_console
 
     if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=170)
+        console = wide_console(170)
     d = doc["device"]
     console.print(f"[bold]fltune bench[/] — {doc['model']} {doc['dtype']} tp={doc['tp']} on "
                   f"{d['name']} [{d['device_key']}], manifest {doc['manifest_fingerprint'][:12]}; "

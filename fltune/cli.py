@@ -65,8 +65,8 @@ def cmd_candidates(a) -> int:
                       "[green]yes[/]" if c["qualified"] else "[red]no[/]", c["reason"] or "",
                       "[bold]← FL pick[/]" if c["impl_id"] == o["fl_pick"] else "")
         t.add_section()
-    con = Console()
-    (con if con.is_terminal else Console(width=150)).print(t)
+    from .report import wide_console
+    wide_console().print(t)
     for src, name, err in m.discovery.failed:
         Console(stderr=True).print(f"[yellow]backend {name} ({src}) failed to load: {err}[/]")
     return 0

@@ -120,15 +120,12 @@ def _x(v):
 
 
 def render(doc: dict, console=None, all_bands: bool = False) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    from .report import short
+    from .report import short, wide_console
 
     if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
+        console = wide_console(160)
 
     def lab(s):
         d = s["device"]

@@ -88,6 +88,15 @@ SHORT = {"reference.torch": "reference", "reference.torch_fused": "torch",
          "reference.inductor": "inductor", "vendor.vllm": "vllm", "default.flagos": "flaggems"}
 
 
+def wide_console(width: int = 150):
+    """A rich console for tables: the terminal's width when there is one, else ``width``
+    (rich falls back to 80 columns when stdout is a pipe, which wraps every table)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=width)
+
+
 def short(impl_id):
     return SHORT.get(impl_id, impl_id) if impl_id else "—"
 
@@ -97,14 +106,11 @@ def _us(v):
 
 
 def render(rep: dict, console=None) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=150)
+        console = wide_console(150)
     d = rep["device"]
     run = rep["run"]
     st = rep["stack"]

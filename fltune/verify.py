@@ -202,16 +202,13 @@ def _us(v):
 
 
 def render(doc: dict, console=None, all_bands: bool = False) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from .report import short
+    from .report import short, wide_console
 
     if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=160)
+        console = wide_console(160)
     d = doc["db_device"]
     console.print(f"[bold]fltune verify[/] — {doc['db']}: {d['name']} [{d['device_key']}] driver "
                   f"{d['driver']}; noise floor {doc['noise_floor']:.0%}")
