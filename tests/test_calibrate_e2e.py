@@ -32,6 +32,14 @@ def fltune(*args, check=True, **kw):
     return p
 
 
+def copy_db(db, copy) -> sqlite3.Connection:
+    """A consistent copy of the calibrated DB to edit (SQLite's online backup), open."""
+    src, dst = sqlite3.connect(db), sqlite3.connect(copy)
+    src.backup(dst)
+    src.close()
+    return dst
+
+
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     db = str(tmp_path_factory.mktemp("cal") / "tiny.db")
@@ -92,10 +100,7 @@ def test_fingerprint_stable_and_sensitive(calibrated, tmp_path):
     m2, _ = build_manifest(db)
     assert m1["fingerprint"] == m2["fingerprint"]
     copy = tmp_path / "copy.db"
-    src = sqlite3.connect(db)
-    dst = sqlite3.connect(copy)
-    src.backup(dst)
-    src.close()
+    dst = copy_db(db, copy)
     row = dst.execute("select op, signature, band_hi, impl_id from winners "
                       "where op='silu_and_mul' order by band_hi limit 1").fetchone()
     new = "reference.torch" if row[3] != "reference.torch" else "reference.inductor"
@@ -132,9 +137,7 @@ def test_frozen_dispatch_runs_each_bands_winner(calibrated):
 def test_stack_change_warns_and_strict_refuses(calibrated, tmp_path):
     db, _ = calibrated
     copy = tmp_path / "stack.db"
-    src, dst = sqlite3.connect(db), sqlite3.connect(copy)
-    src.backup(dst)
-    src.close()
+    dst = copy_db(db, copy)
     for rid, st in dst.execute("select id, stack from runs").fetchall():
         s = json.loads(st)
         s["flag_gems"] = "0.0.1-old"
@@ -216,9 +219,7 @@ def test_bad_input_errors(tmp_path):
 def test_other_device_is_a_clear_miss(calibrated, tmp_path):
     db, _ = calibrated
     copy = tmp_path / "other.db"
-    src, dst = sqlite3.connect(db), sqlite3.connect(copy)
-    src.backup(dst)
-    src.close()
+    dst = copy_db(db, copy)
     for t in ("devices", "winners", "measurements", "runs"):
         dst.execute(f"update {t} set device_key='feedfacecafebeef'")
     dst.execute("update devices set name='NVIDIA H200'")
