@@ -120,7 +120,8 @@ def cmd_freeze(a) -> int:
 
     manifest, warnings = build_manifest(a.db, device=a.device, strict=a.strict,
                                         policy=SelectionPolicy.from_env(),
-                                        registry=get_default_manager().registry)
+                                        registry=get_default_manager().registry,
+                                        order=a.order)
     con = _console(a.json)
     for w in warnings:
         con.print(f"[yellow]warning:[/] {w}")
@@ -309,6 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True)
     c.add_argument("--device", help="device key prefix or name (default: this machine)")
     c.add_argument("--strict", action="store_true", help="refuse if the stack changed")
+    c.add_argument("--order", choices=["measured", "fl"], default="measured",
+                   help="what each band picks: the measured winner (default) or the fixed FL "
+                        "order's pick (a baseline manifest for A/B runs)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_freeze)
 

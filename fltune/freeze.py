@@ -51,11 +51,24 @@ def stack_differences(recorded: dict, now: dict) -> list[str]:
             if k != "python" and recorded.get(k) != now.get(k)]
 
 
+#: what a manifest's bands pick: the measured winner, or what the fixed FL order runs
+ORDERS = ("measured", "fl")
+
+
 def build_manifest(db_path: str, *, device: Optional[str] = None,
                    policy: Optional[SelectionPolicy] = None, registry=None,
-                   strict: bool = False, check_stack: bool = True) -> tuple[dict, list[str]]:
+                   strict: bool = False, check_stack: bool = True,
+                   order: str = "measured") -> tuple[dict, list[str]]:
     """Returns (manifest, warnings). Raises DBError when there is nothing for the device,
-    StackMismatch when ``strict`` and the stack changed since calibration."""
+    StackMismatch when ``strict`` and the stack changed since calibration.
+
+    ``order="fl"`` freezes the *fixed FL order* instead of the measured winners: every band
+    picks the first qualified candidate in the policy's order (what vllm-plugin-FL would
+    run), over the same bands. It exists so that the end-to-end A/B serves the baseline
+    through the very same seams and custom ops as the calibrated arm — the two arms then
+    differ only in which implementation each band calls."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}")
     policy = policy or SelectionPolicy()
     db = CalibrationDB(db_path, create=False)
     try:
@@ -79,6 +92,8 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                     warnings.append(msg)
         overrides = []
         rows = []
+        if order == "fl":
+            winners = _fl_rows(db, dev, winners, policy, registry)
         for w in winners:
             impl_ok = _permitted(w, policy)
             if not impl_ok:
@@ -109,6 +124,7 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
             "driver": dev["driver"],
             "stack": sorted(stacks.values(), key=lambda s: json.dumps(s, sort_keys=True)),
             "policy": policy.to_dict(),
+            "order": order,
             "band_rule": BAND_RULE,
             "source_db": {"path": str(db_path),
                           "runs": [r["id"] for r in db.runs(dev["device_key"])]},
@@ -119,6 +135,28 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         return manifest, warnings
     finally:
         db.close()
+
+
+def _fl_rows(db, dev, winners, policy, registry) -> list[dict]:
+    """The winner rows rewritten to the fixed FL order's pick in each band (kept as the
+    measured winner where FL's pick was never timed, e.g. it failed parity, so that the
+    baseline never serves an implementation known to be wrong)."""
+    from .dispatch.manager import get_default_manager
+    from .report import fl_pick
+
+    registry = registry or get_default_manager().registry
+    out = []
+    for w in winners:
+        ms = db.measurements(dev["device_key"], dev["driver"], op=w["op"],
+                             signature=w["signature"], dtype=w["dtype"], band_hi=w["band_hi"])
+        fl = fl_pick(ms, policy, registry) if ms else None
+        if fl is None or fl["outcome"] != "timed" or fl["impl_id"] == w["impl_id"]:
+            out.append(w)
+            continue
+        out.append({**w, "impl_id": fl["impl_id"], "kind": fl["kind"], "vendor": fl["vendor"],
+                    "median_us": fl["median_us"], "runner_up": None, "runner_up_us": None,
+                    "gap": None, "reason": "fixed FL order"})
+    return out
 
 
 def _permitted(w: dict, policy: SelectionPolicy) -> bool:
