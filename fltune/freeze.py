@@ -116,7 +116,13 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                      "runner_up": None, "runner_up_us": None, "gap": None,
                      "reason": "policy override"}
             rows.append(w)
-        ops = _tables(rows, registry)
+        native = {(m["op"], m["signature"], m["dtype"], m["band_hi"]): m["median_us"]
+                  for m in db.measurements(dev["device_key"], dev["driver"],
+                                           impl_id=NATIVE_COMPILED, outcome="timed")}
+        ops = _tables(rows, registry, native)
+        floor = db.db.execute(
+            "select min(median_us) from measurements where device_key=? and driver=? "
+            "and outcome='timed'", [dev["device_key"], dev["driver"]]).fetchone()[0]
         manifest = {
             "format": MANIFEST_FORMAT,
             "device": {k: dev[k] for k in ("device_key", "device_type", "name", "capability",
@@ -130,6 +136,7 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                           "runs": [r["id"] for r in db.runs(dev["device_key"])]},
             "ops": ops,
             "overrides": overrides,
+            "launch_floor_us": floor,
         }
         manifest["fingerprint"] = fingerprint_of(manifest)
         return manifest, warnings
@@ -185,7 +192,18 @@ def _callable(registry, op, impl_id):
         return None
 
 
-def _tables(rows: list[dict], registry) -> dict:
+#: the candidate that stands for vLLM's own compiled path: an op left native is lowered by
+#: Inductor inside vLLM's graph, as this candidate lowers it alone
+NATIVE_COMPILED = "reference.inductor"
+
+
+def _tables(rows: list[dict], registry, native: Optional[dict] = None) -> dict:
+    """Per op, its tables of merged bands. Each table also keeps ``points``: every measured
+    band before merging, as [lo, hi, winner, winner µs, native-compiled µs or None]. The
+    vLLM plugin needs them to weigh a win against the fusion a routed op gives up (an
+    opaque custom op cannot be fused by Inductor with its neighbours; see
+    ``integrations/vllm/plugin.py``), and merged bands would hide the small-token end."""
+    native = native or {}
     by_table = defaultdict(list)
     for w in rows:
         by_table[(w["op"], w["dtype"], w["signature"])].append(w)
@@ -211,8 +229,10 @@ def _tables(rows: list[dict], registry) -> dict:
             else:
                 bands.append(entry)
         weight = max(w["weight"] or 0 for w in ws)
+        points = [[w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],
+                   native.get((op, sig, dtype, w["band_hi"]))] for w in ws]
         table = {"dtype": dtype, "signature": sig, "dims": dims, "trailing": trailing,
-                 "rows_per_token": rpt, "weight": weight, "bands": bands}
+                 "rows_per_token": rpt, "weight": weight, "bands": bands, "points": points}
         ops.setdefault(op, {"tables": [], "shadowed": []})["tables"].append(table)
     for op, entry in ops.items():
         # Two signatures can share one runtime key (q_norm and k_norm: same head_dim and
