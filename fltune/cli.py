@@ -8,6 +8,7 @@
   serve        vLLM with a calibrated DB (freeze for this device, then exec vLLM's server)
   bench        manifest pick vs fixed FL order vs each backend vs oracle, measured now
   verify       re-measure a DB's winners; exit 1 when it is stale
+  refine       bisect the crossover between neighbouring bands' winners into the DB
   diff         two DBs (or two devices of one) side by side
 
 Human output goes through rich; ``--json`` prints one JSON document on stdout for scripts.
@@ -256,6 +257,36 @@ def cmd_verify(a) -> int:
     return 1 if doc["stale"] else 0
 
 
+def cmd_refine(a) -> int:
+    from .tune import crossover
+
+    con = _console(a.quiet or a.json)
+    prog = _progress(con, "refine", a.quiet or a.json)
+    task = None
+
+    def progress(event, **kw):
+        nonlocal task
+        if event == "start":
+            task = prog.add_task(a.db, total=kw["total"])
+        elif event == "probe":
+            prog.update(task, description=f"{kw['op']} @{kw['tokens']} tokens")
+        elif event == "pair":
+            r = kw["record"]
+            prog.update(task, advance=1, description=f"{r['op']} ≤{r['lower_hi']}|≤{r['upper_hi']}: "
+                                                     f"{r['status']}")
+
+    with prog:
+        doc = crossover.refine(a.db, device=a.device, ops=a.ops.split(",") if a.ops else None,
+                               model=a.model, force=a.force, max_probes=a.max_probes,
+                               isolate=a.isolate, progress=progress)
+    _write_json(doc, a.out)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        crossover.render(doc)
+    return 0
+
+
 def cmd_diff(a) -> int:
     from . import diff
 
@@ -374,6 +405,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_verify)
+
+    c = sub.add_parser("refine", help="bisect the token count where neighbouring bands' "
+                                      "winners cross; the edges go into the DB and the manifest")
+    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--device", help="the DB's device row (key prefix or name); must be this "
+                                    "machine's device (default: this machine's)")
+    c.add_argument("--ops", help="comma-separated subset of ops")
+    c.add_argument("--model", help="only the tables of this model's workload (profile name, "
+                                   "model dir or config.json)")
+    c.add_argument("--max-probes", type=int, default=6,
+                   help="most probes per pair of bands (default 6)")
+    c.add_argument("--force", action="store_true", help="re-measure crossovers already stored")
+    c.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="time in this process instead of a supervised worker")
+    c.add_argument("--out", help="also write the JSON document to this file")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_refine)
 
     c = sub.add_parser("diff", help="winners of two DBs, or two devices of one DB, side by side")
     c.add_argument("a", help="calibration DB A")

@@ -8,6 +8,10 @@ are written in, and a sha256 fingerprint over the canonical JSON of all of it �
 vLLM's compile-cache key receives, so a different choice can never reuse a compiled graph
 built for another.
 
+Where ``fltune refine`` stored a crossover between two adjacent bands' winners (and it still
+holds: same winners, same stack), the edge between them is the refined token count instead
+of the band edge; the manifest marks that band ``refined``. ``order="fl"`` ignores them.
+
 The policy still applies to measured winners: a vendor the policy denies (a human
 deny-list, like vllm-plugin-FL's nvidia.yaml) never wins; the fastest permitted candidate
 measured for that band takes its place and the override is written into the manifest with
@@ -119,7 +123,12 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         native = {(m["op"], m["signature"], m["dtype"], m["band_hi"]): m["median_us"]
                   for m in db.measurements(dev["device_key"], dev["driver"],
                                            impl_id=NATIVE_COMPILED, outcome="timed")}
-        ops = _tables(rows, registry, native)
+        # refined edges (``fltune refine``) move the boundary between two measured winners;
+        # the fixed FL order's bands are not what was refined, so they keep the band edges
+        crossovers = ({(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
+                       for c in db.crossovers(dev["device_key"], dev["driver"])}
+                      if order == "measured" else {})
+        ops = _tables(rows, registry, native, crossovers)
         floor = db.db.execute(
             "select min(median_us) from measurements where device_key=? and driver=? "
             "and outcome='timed'", [dev["device_key"], dev["driver"]]).fetchone()[0]
@@ -197,12 +206,30 @@ def _callable(registry, op, impl_id):
 NATIVE_COMPILED = "reference.inductor"
 
 
-def _tables(rows: list[dict], registry, native: Optional[dict] = None) -> dict:
+def _refined_edge(crossovers: dict, prev: Optional[dict], w: dict) -> Optional[dict]:
+    """The stored crossover between the winner rows ``prev`` and ``w`` of two adjacent
+    bands, if it still holds: the same two winners (after policy overrides), the same
+    stack as both, the edge inside ``[prev.hi, w.hi)``."""
+    if not crossovers or prev is None or prev["band_hi"] + 1 != w["band_lo"]:
+        return None
+    from .tune.crossover import crossover_valid
+    c = crossovers.get((w["op"], w["signature"], w["dtype"], prev["band_hi"]))
+    return c if c is not None and crossover_valid(c, prev, w) else None
+
+
+def _tables(rows: list[dict], registry, native: Optional[dict] = None,
+            crossovers: Optional[dict] = None) -> dict:
     """Per op, its tables of merged bands. Each table also keeps ``points``: every measured
     band before merging, as [lo, hi, winner, winner µs, native-compiled µs or None]. The
     vLLM plugin needs them to weigh a win against the fusion a routed op gives up (an
     opaque custom op cannot be fused by Inductor with its neighbours; see
-    ``integrations/vllm/plugin.py``), and merged bands would hide the small-token end."""
+    ``integrations/vllm/plugin.py``), and merged bands would hide the small-token end.
+
+    Where a valid refined crossover (``crossovers``, from ``fltune refine``) sits between
+    two differing winners, the lower band's ``hi`` becomes the crossover's edge — tokens
+    ``<= edge`` go to the lower winner, as the band rule reads ``(edge[i-1], edge[i]]`` and
+    ``FrozenDispatch.select`` bisects — and the upper band's ``lo`` becomes edge + 1; the
+    lower band records ``refined``, its ``coarse_hi`` and the ``crossover_probes``."""
     native = native or {}
     by_table = defaultdict(list)
     for w in rows:
@@ -213,6 +240,7 @@ def _tables(rows: list[dict], registry, native: Optional[dict] = None) -> dict:
         dims = json.loads(ws[0]["dims"])
         trailing, rpt = key_shape(op, dims)
         bands = []
+        prev_row = None
         for w in ws:
             entry = {"lo": w["band_lo"], "hi": w["band_hi"], "impl_id": w["impl_id"],
                      "kind": w["kind"], "vendor": w["vendor"],
@@ -227,7 +255,14 @@ def _tables(rows: list[dict], registry, native: Optional[dict] = None) -> dict:
                 prev["runner_up"], prev["runner_up_us"], prev["gap"] = (
                     entry["runner_up"], entry["runner_up_us"], entry["gap"])
             else:
+                c = _refined_edge(crossovers, prev_row, w) if bands else None
+                if c is not None:
+                    bands[-1].update({"hi": c["edge_tokens"], "refined": True,
+                                      "coarse_hi": prev_row["band_hi"],
+                                      "crossover_probes": c["probes"]})
+                    entry["lo"] = c["edge_tokens"] + 1
                 bands.append(entry)
+            prev_row = w
         weight = max(w["weight"] or 0 for w in ws)
         points = [[w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],
                    native.get((op, sig, dtype, w["band_hi"]))] for w in ws]

@@ -9,6 +9,16 @@ Tables
                 timed (median/p10/p90/n, timer) — never only the winners
   winners       unique per (device, driver, op, signature, dtype, band): the pick, its
                 time, runner-up and gap, the reason, the stack it was measured with
+  crossovers    (v2) unique per (device, driver, op, signature, dtype, lower band): where
+                two adjacent bands pick different winners, the token count found by
+                ``fltune refine`` up to which the lower band's winner is served (its edge),
+                the probes that found it, the stack it was measured with
+  refine_runs   (v2) one ``fltune refine`` run: device, stack, settings, status, times
+
+Migrations run forward when a DB is opened for writing. A reader (``write=False``, the
+default with ``create=False``) opens an older DB as it is and never rewrites it: every
+migration after version 1 only adds tables, and their readers treat a missing table as
+empty — so a shipped DB read by ``freeze``/``report`` keeps its bytes.
 
 Crash and concurrency safety: WAL journal (readers never block the writer), a busy
 timeout (writers queue instead of failing with "database is locked"), and each finished
@@ -26,7 +36,7 @@ from typing import Iterable, Optional
 
 import sqlite_utils
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
 BUSY_TIMEOUT_MS = 60_000
@@ -39,6 +49,7 @@ class DBError(RuntimeError):
 MEASUREMENT_KEY = ["device_key", "driver", "stack_key", "op", "signature", "dtype",
                    "band_hi", "impl_id"]
 WINNER_KEY = ["device_key", "driver", "op", "signature", "dtype", "band_hi"]
+CROSSOVER_KEY = ["device_key", "driver", "op", "signature", "dtype", "lower_hi"]
 
 
 def _migrate_0_to_1(db: sqlite_utils.Database):
@@ -64,12 +75,30 @@ def _migrate_0_to_1(db: sqlite_utils.Database):
         "run_id": int, "created": float}, pk=WINNER_KEY, if_not_exists=True)
 
 
-MIGRATIONS = {0: _migrate_0_to_1}
+def _migrate_1_to_2(db: sqlite_utils.Database):
+    """Crossover refinement (``fltune refine``): two new tables, nothing else changes."""
+    db["refine_runs"].create({"id": int, "device_key": str, "driver": str, "settings": str,
+                              "stack": str, "stack_key": str, "status": str, "started": float,
+                              "finished": float, "pid": int}, pk="id", if_not_exists=True)
+    db["crossovers"].create({
+        "device_key": str, "driver": str, "stack_key": str, "op": str, "signature": str,
+        "dtype": str, "lower_hi": int, "upper_hi": int, "impl_below": str, "impl_above": str,
+        "edge_tokens": int, "converged": int, "probes": str, "gap_before": float,
+        "gap_after": float, "weight": int, "run_id": int, "created": float},
+        pk=CROSSOVER_KEY, if_not_exists=True)
+
+
+MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2}
 
 
 class CalibrationDB:
-    def __init__(self, path: str | os.PathLike, *, create: bool = True):
+    def __init__(self, path: str | os.PathLike, *, create: bool = True,
+                 write: Optional[bool] = None):
+        """``create``: make the file if it is missing. ``write`` (default: ``create``):
+        this connection will write, so an older schema is migrated forward on open; a
+        reader leaves an older (>= 1) schema as it is (see the module docstring)."""
         self.path = str(path)
+        self.write = create if write is None else write
         p = Path(self.path)
         if not p.exists():
             if not create:
@@ -94,6 +123,13 @@ class CalibrationDB:
             raise DBError(f"{self.path} is an SQLite file but not an fltune calibration DB "
                           f"(tables: {', '.join(sorted(names)[:6])}). It was left untouched; "
                           f"use another --db path")
+        if not names and not self.write:
+            # an empty file (0 bytes, or SQLite without a table) holds no calibration yet;
+            # a reader must not turn it into a DB: read it as an empty one, in memory
+            conn.close()
+            self.db = sqlite_utils.Database(sqlite3.connect(":memory:", isolation_level=None))
+            self._ensure_schema()
+            return
         version = self.schema_version()
         if version > SCHEMA_VERSION:
             conn.close()
@@ -125,6 +161,8 @@ class CalibrationDB:
             raise DBError(f"{self.path} has schema version {version}, newer than this fltune "
                           f"understands ({SCHEMA_VERSION}). It was left untouched; upgrade "
                           f"fltune (pip install -U fltune) to read it")
+        if version >= 1 and not self.write:
+            return          # readable as is: later migrations only add tables
         while version < SCHEMA_VERSION:
             with self.transaction():
                 if version == 0:
@@ -224,6 +262,42 @@ class CalibrationDB:
             return list(self.db.query("select * from runs where device_key=? order by id",
                                       [device_key]))
         return list(self.db.query("select * from runs order by id"))
+
+    # ---- crossovers (schema 2) ------------------------------------------------------
+    def start_refine(self, device: dict, settings: dict, stack: dict, stack_key: str) -> int:
+        with self.transaction():
+            t = self.db["refine_runs"].insert({
+                "device_key": device["device_key"], "driver": device["driver"],
+                "settings": json.dumps(settings, sort_keys=True),
+                "stack": json.dumps(stack, sort_keys=True), "stack_key": stack_key,
+                "status": "running", "started": time.time(), "finished": None,
+                "pid": os.getpid()})
+            return t.last_pk
+
+    def finish_refine(self, run_id: int, status: str = "done") -> None:
+        with self.transaction():
+            self.db["refine_runs"].update(run_id, {"status": status, "finished": time.time()})
+
+    def record_crossover(self, row: dict) -> None:
+        """One refined edge (``probes`` as a list, stored as JSON): one transaction; a
+        re-refinement of the same pair of bands replaces it."""
+        with self.transaction():
+            self.db["crossovers"].upsert({**row, "probes": json.dumps(row["probes"]),
+                                          "created": time.time()}, pk=CROSSOVER_KEY)
+
+    def crossovers(self, device_key: str, driver: str, op: Optional[str] = None) -> list[dict]:
+        """The refined edges of a device (``probes`` decoded); none in a version-1 DB."""
+        if "crossovers" not in self.db.table_names():
+            return []
+        q = "select * from crossovers where device_key=? and driver=?"
+        args = [device_key, driver]
+        if op:
+            q += " and op=?"
+            args.append(op)
+        out = list(self.db.query(q + " order by op, signature, dtype, lower_hi", args))
+        for r in out:
+            r["probes"] = json.loads(r["probes"]) if r["probes"] else []
+        return out
 
     def stacks_of_winners(self, device_key: str, driver: str) -> dict:
         """stack_key -> stack dict, for the stacks the winners were measured with."""
