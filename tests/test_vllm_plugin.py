@@ -97,6 +97,25 @@ def routed_manifest():
     })
 
 
+def fusion_manifest(launch_floor_us=1.0):
+    """rms_norm wins by 0.3 us a call over the native compiled path at decode sizes (less
+    than a launch: not worth an opaque op when Inductor compiles); silu_and_mul wins by
+    4 us (worth it). ``points`` as ``fltune freeze`` writes them."""
+    rms = table([HIDDEN], [band(1, BIG, "vendor.vllm")])
+    rms["points"] = [[1, 16, "vendor.vllm", 1.7, 2.0], [17, 256, "vendor.vllm", 2.0, 2.3],
+                     [257, BIG, "vendor.vllm", 9.0, 30.0]]
+    silu = table([GATE_UP], [band(1, BIG, "vendor.vllm")])
+    silu["points"] = [[1, 256, "vendor.vllm", 2.0, 6.0], [257, BIG, "vendor.vllm", 5.0, 9.0]]
+    m = make_manifest({
+        "rms_norm": {"fallback": "vendor.vllm", "tables": [rms]},
+        "silu_and_mul": {"fallback": "vendor.vllm", "tables": [silu]}})
+    m.pop("fingerprint")
+    m["launch_floor_us"] = launch_floor_us
+    from fltune.dispatch.frozen import fingerprint_of
+    m["fingerprint"] = fingerprint_of(m)
+    return m
+
+
 def other_device_manifest():
     """What an H200 DB freezes to: FlagGems and CUDA kernels."""
     return make_manifest({
@@ -131,6 +150,72 @@ def test_plan_routes_only_non_native_ops():
     assert plan.native == ("fused_add_rms_norm",)
     table_text = plugin.plan_table(plan)
     assert "silu_and_mul" in table_text and "[1,4]=vendor.vllm" in table_text
+
+
+def test_fusion_verdict_keeps_small_decode_wins_native_when_compiled():
+    plugin = _plugin()
+    plan = plugin.build_plan(fusion_manifest(), "t", device_type="cpu")
+    assert set(plan.routed) == {"rms_norm", "silu_and_mul"}
+    rms, silu = plan.fusion["rms_norm"], plan.fusion["silu_and_mul"]
+    assert rms.decode_gain_us == pytest.approx(0.3) and not rms.route_compiled
+    assert silu.decode_gain_us == pytest.approx(4.0) and silu.route_compiled
+    assert plan.effective_routes(compiled=True) == ["silu_and_mul"]
+    assert plan.effective_routes(compiled=False) == ["rms_norm", "silu_and_mul"]
+    assert "left to Inductor" in plugin.plan_table(plan)
+    # a higher launch floor turns the silu win too small as well
+    hi = plugin.build_plan(fusion_manifest(launch_floor_us=5.0), "t", device_type="cpu")
+    assert hi.effective_routes(compiled=True) == []
+    # FLTUNE_ROUTE=all: everything the manifest routes, compiled or not
+    every = plugin.build_plan(fusion_manifest(), "t", device_type="cpu",
+                              settings=plugin.Settings(manifest="m", route="all"))
+    assert every.effective_routes(compiled=True) == ["rms_norm", "silu_and_mul"]
+    # no points (a manifest frozen before they were kept): routed as measured
+    old = plugin.build_plan(routed_manifest(), "t", device_type="cpu")
+    assert old.effective_routes(compiled=True) == sorted(old.routed)
+
+
+@pytest.mark.parametrize("mode, routes_rms", [("compiled", False), ("eager", True)])
+def test_layers_follow_the_fusion_verdict_of_the_vllm_config(mode, routes_rms):
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, \
+        set_current_vllm_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from fltune.dispatch.frozen import freeze_dispatch
+    from fltune.integrations.vllm import ops
+
+    plugin = _plugin()
+    plugin._reset_for_tests()
+    manifest = fusion_manifest()
+    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
+    ops.register_layers()
+    freeze_dispatch(manifest)
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE if mode == "compiled"
+                           else CompilationMode.NONE, backend="inductor")
+    try:
+        with set_current_vllm_config(VllmConfig(compilation_config=cc)):
+            assert plugin.compiled_with_inductor() is (mode == "compiled")
+            norm, act = RMSNorm(HIDDEN, eps=1e-6), SiluAndMul()
+        assert act.fltune_routes == {"silu_and_mul"}
+        assert norm.fltune_routes == ({"rms_norm"} if routes_rms else frozenset())
+    finally:
+        plugin._reset_for_tests()
+
+
+def test_bad_route_mode_warns_or_refuses(monkeypatch, tmp_path, caplog):
+    plugin = _plugin()
+    monkeypatch.setenv("FLTUNE_MANIFEST", write(tmp_path / "m.json", fusion_manifest()))
+    monkeypatch.setenv("FLTUNE_ROUTE", "fastest")
+    plugin._reset_for_tests()
+    try:
+        plugin.register()
+        assert plugin.STATUS["state"] == "failed" and "FLTUNE_ROUTE" in plugin.STATUS["error"]
+        monkeypatch.setenv("FLTUNE_STRICT", "1")
+        plugin._reset_for_tests()
+        with pytest.raises(plugin.FltunePluginError, match="FLTUNE_ROUTE='fastest'"):
+            plugin.register()
+    finally:
+        plugin._reset_for_tests()
 
 
 def test_plan_refuses_other_device_and_edited_manifest(tmp_path):

@@ -145,7 +145,7 @@ def before_load_model(runner) -> None:
     plan = ops.current_plan()
     if plan is None:
         return
-    from .plugin import ADDITIONAL_CONFIG_KEY, fail
+    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTES_CONFIG_KEY, compiled_with_inductor, fail
 
     from .plugin import FltunePluginError, exact_device_problem
 
@@ -168,8 +168,15 @@ def before_load_model(runner) -> None:
                             f"not a dict, so the dispatch fingerprint cannot be recorded "
                             f"in the compile-cache key")
         extra[ADDITIONAL_CONFIG_KEY] = fd.fingerprint
+        # which ops route depends on the compile mode too (fusion, plugin.py): key it
+        compiled = compiled_with_inductor()
+        routes = plan.effective_routes(compiled)
+        extra[ROUTES_CONFIG_KEY] = routes
         RECORD.update(pid=os.getpid(), fingerprint=fd.fingerprint, source=plan.source,
-                      routed={k: list(v) for k, v in plan.routed.items()},
+                      compiled_with_inductor=compiled, route_mode=plan.route,
+                      routed={k: list(v) for k, v in plan.routed.items() if k in routes},
+                      native_for_fusion={k: getattr(plan.fusion.get(k), "why", "") for k in plan.routed
+                                         if k not in routes},
                       native=list(plan.native), unseamed=list(plan.unseamed),
                       additional_config=_jsonable(extra),
                       config_hash={"before": hash_before, "after": _config_hash(cfg)},
@@ -199,7 +206,9 @@ def after_load_model(runner) -> None:
     RECORD["layers"] = layers
     built = {op for m in model.modules() if isinstance(m, ops.SeamMixin)
              for op in m.fltune_routes}
-    missing = sorted(set(plan.routed) - built)
+    from .plugin import compiled_with_inductor
+
+    missing = sorted(set(plan.effective_routes(compiled_with_inductor())) - built)
     RECORD["routed_without_layer"] = missing
     log.info("fltune: routed layers %s", ", ".join(f"{k} x{v}" for k, v in
                                                     sorted(layers.items())) or "none")

@@ -86,8 +86,14 @@ def current_plan():
 
 
 def is_routed(op_name: str) -> bool:
+    """Whether layers built now route ``op_name``: in the plan, and (when vLLM compiles
+    with Inductor) worth more than the fusion it gives up (``Plan.routes``)."""
     plan = _plan
-    return plan is not None and op_name in plan.routed
+    if plan is None or op_name not in plan.routed:
+        return False
+    from .plugin import compiled_with_inductor
+
+    return plan.routes(op_name, compiled_with_inductor())
 
 
 def _frozen_dispatch() -> frozen.FrozenDispatch:
