@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fltune.tune.bands import bands
 
@@ -56,6 +57,34 @@ def test_crashing_and_hanging_candidates_are_refused_and_calibration_goes_on(tmp
     assert len(winners) == n_bands
     assert not {w[1] for w in winners} & {"vendor.segfault", "vendor.abort", "vendor.hang",
                                           "vendor.nan"}
+    assert c.execute("pragma integrity_check").fetchone()[0] == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_candidate_that_corrupts_the_cuda_context_is_refused_and_calibration_goes_on(tmp_path):
+    """GPU only (run on the H200 through the device tool): a Triton kernel with an illegal
+    memory access poisons its process's CUDA context; the supervised worker reports it,
+    is replaced, and every other candidate still races in every band."""
+    db = str(tmp_path / "cuda_fault.db")
+    env = {"FLTUNE_PLUGIN_MODULES": "fltune_bad_backends",
+           "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = run_fltune(["calibrate", "--model", "tiny-qwen3", "--db", db, "--ops", "silu_and_mul",
+                    "--device", "cuda", "--max-tokens", "64", "--candidate-timeout", "60",
+                    "--quiet", "--json"], env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout)
+    assert res["measured"] == len(bands(64)) and res["worker_restarts"] >= 1
+    c = sqlite3.connect(db)
+    rows = {(r[0], r[1]): (r[2], r[3]) for r in c.execute(
+        "select impl_id, band_hi, outcome, reason from measurements")}
+    first = min(b.hi for b in bands(64))
+    outcome, reason = rows[("vendor.illegal_access", first)]
+    assert outcome == "refused" and "CUDA" in reason, reason
+    for b in bands(64):
+        assert rows[("vendor.illegal_access", b.hi)][0] == "refused"
+        assert rows[("reference.torch", b.hi)][0] == "timed"   # the next worker is healthy
+    winners = {w[0] for w in c.execute("select impl_id from winners")}
+    assert "vendor.illegal_access" not in winners and len(winners) >= 1
     assert c.execute("pragma integrity_check").fetchone()[0] == "ok"
 
 
