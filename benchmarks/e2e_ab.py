@@ -5,7 +5,8 @@
 
 Each arm is one server process on 127.0.0.1, all started at once and alive together:
 ``vanilla`` is vLLM's own server with no fltune (its default compile, custom ops off);
-``NAME=MANIFEST:ROUTE`` is ``fltune serve --manifest MANIFEST`` with ``FLTUNE_ROUTE=ROUTE``
+``NAME=MANIFEST:ROUTE`` is ``fltune serve --manifest MANIFEST`` (``--db`` for a ``.db``) with
+``FLTUNE_ROUTE=ROUTE``
 (``all``: every op the manifest routes; ``auto``: only where the win beats the fusion it
 gives up). Then, for each repetition and each batch size, every arm serves the same
 request in turn, the arm order rotating between repetitions, so drift of the machine
@@ -73,7 +74,9 @@ def start(arm: dict, model_dir: str, port: int, a) -> subprocess.Popen:
         env["FLTUNE_COUNTERS_FILE"] = os.path.join(
             os.path.abspath(a.out), f"counters-{a.profile}-{arm['name']}-{{pid}}.json")
         env["FLTUNE_COUNTERS_INTERVAL"] = "2"
-        cmd = [sys.executable, "-m", "fltune", "serve", "--strict", "--manifest",
+        # a calibration DB is frozen for this device by `fltune serve --db` itself
+        flag = "--db" if arm["manifest"].endswith(".db") else "--manifest"
+        cmd = [sys.executable, "-m", "fltune", "serve", "--strict", flag,
                arm["manifest"], "--"] + args
     log = open(os.path.join(a.out, f"server-{a.profile}-{arm['name']}.log"), "w")
     arm["cmd"] = cmd
