@@ -29,6 +29,96 @@ def _console(quiet=False):
     return Console(stderr=True, quiet=quiet)
 
 
+class UsageError(ValueError):
+    """An argument that parses but cannot be used on this machine; one line, exit 2."""
+
+
+def _device(a) -> str:
+    import torch
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device cuda: this machine has no usable CUDA device (torch "
+                         f"{torch.__version__}); use --device cpu or leave --device out")
+    return a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- argument types: a bad value is refused by argparse (exit 2, one line naming the
+# argument and the valid range) before any work starts or any file is touched ------------
+
+#: the largest --max-tokens band edge accepted (1M tokens) and the most --reps
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_REPS = 1_000_000
+
+
+def _int_in(lo, hi):
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {s!r}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range [{lo}, {hi}]")
+        return v
+    return parse
+
+
+def _float_in(lo, hi=None, lo_open=False):
+    rng = f"{'(' if lo_open else '['}{lo}, {hi if hi is not None else 'inf'}{')' if hi is None else ']'}"
+
+    def parse(s):
+        import math
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number in {rng}, got {s!r}")
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{s!r} is out of range {rng}")
+        return v
+    return parse
+
+
+def _dtype_arg(s):
+    from .ops import dtype_from_name
+    try:
+        dtype_from_name(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+    return s
+
+
+def _op_arg(s):
+    from .ops import OPS
+    if s not in OPS:
+        raise argparse.ArgumentTypeError(f"unknown op {s!r}; ops: {', '.join(OPS)}")
+    return s
+
+
+def _ops_arg(s):
+    """A comma-separated list of known op names; returned normalized (no blanks, no repeats)."""
+    from .ops import OPS
+    names = list(dict.fromkeys(n.strip() for n in s.split(",") if n.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError(f"no op names in {s!r}; ops: {', '.join(OPS)}")
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown op {', '.join(map(repr, unknown))}; ops: "
+                                         f"{', '.join(OPS)}")
+    return ",".join(names)
+
+
+def _out_arg(s):
+    """A file to write: not a directory, in a directory that exists (checked before the work,
+    so a long bench or verify does not end in an unwritable path)."""
+    import os
+    if not s:
+        raise argparse.ArgumentTypeError("empty path")
+    if os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"{s} is a directory; name a file to write")
+    parent = os.path.dirname(os.path.abspath(s))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+    return s
+
+
 def cmd_candidates(a) -> int:
     import torch
 
@@ -38,7 +128,7 @@ def cmd_candidates(a) -> int:
 
     m = get_default_manager()
     dt = dtype_from_name(a.dtype)
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device(a)
     ctx = QualifyContext(dev, dt, torch.cuda.get_device_capability() if dev == "cuda" else None)
     out = []
     for op in OPS:
@@ -74,12 +164,10 @@ def cmd_candidates(a) -> int:
 
 
 def cmd_calibrate(a) -> int:
-    import torch
-
     from .tune.adjudicate import Settings
     from .tune.calibrate import calibrate
 
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device(a)
     settings = Settings(device=dev, parity_floor=a.parity_floor, margin=a.margin,
                         cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
@@ -198,11 +286,9 @@ def _write_json(doc, out):
 
 
 def cmd_bench(a) -> int:
-    import torch
-
     from . import bench
 
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = _device(a)
     settings = bench.BenchSettings(device=dev, reps=a.reps, budget_s=a.budget,
                                    cold_l2=a.cold_l2, copy_mib=a.copy_mib)
     con = _console(a.quiet or a.json)
@@ -306,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("candidates", help="every op x candidate on this machine")
     c.add_argument("--json", action="store_true")
-    c.add_argument("--dtype", default="bf16")
+    c.add_argument("--dtype", default="bf16", type=_dtype_arg)
     c.add_argument("--device", choices=["cpu", "cuda"])
     c.set_defaults(fn=cmd_candidates)
 
@@ -315,22 +401,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in profile name (calibrate/profiles), a model dir or config.json")
     c.add_argument("--db", default=DEFAULT_DB, help=f"calibration DB (default: {DEFAULT_DB})")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
-    c.add_argument("--dtype", help="override the config's dtype (bf16, fp16, fp32)")
-    c.add_argument("--max-tokens", type=int,
+    c.add_argument("--dtype", type=_dtype_arg,
+                   help="override the config's dtype (bf16, fp16, fp32)")
+    c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
                    help="largest token band (default 16384 on GPU, 2048 on CPU)")
-    c.add_argument("--parity-floor", type=float, default=0.99)
-    c.add_argument("--margin", type=float, default=0.03, help="win margin (default 3%%)")
+    c.add_argument("--parity-floor", type=_float_in(0.0, 1.0), default=0.99)
+    c.add_argument("--margin", type=_float_in(0.0, 1.0), default=0.03,
+                   help="win margin (default 3%%)")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
-    c.add_argument("--reps", type=int, default=0, help="timing samples (0 = adaptive)")
-    c.add_argument("--budget", type=float, default=0.05,
+    c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
+                   help="timing samples (0 = adaptive)")
+    c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
                    help="seconds of timing per candidate when adaptive")
-    c.add_argument("--ops", help="comma-separated subset of ops")
+    c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
     c.add_argument("--device", choices=["cpu", "cuda"])
     c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
     c.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="race in this process instead of a supervised worker (faster start; "
                         "a crashing candidate then ends the run)")
-    c.add_argument("--candidate-timeout", type=float, default=120.0,
+    c.add_argument("--candidate-timeout", type=_float_in(0.0, 86400.0, lo_open=True),
+                   default=120.0,
                    help="seconds without progress before a candidate counts as hung")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
@@ -338,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("freeze", help="DB -> frozen dispatch manifest")
     c.add_argument("--db", default=DEFAULT_DB)
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, type=_out_arg)
     c.add_argument("--device", help="device key prefix or name (default: this machine)")
     c.add_argument("--strict", action="store_true", help="refuse if the stack changed")
     c.add_argument("--order", choices=["measured", "fl"], default="measured",
@@ -350,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("report", help="what won where, against the fixed FL order")
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--device")
-    c.add_argument("--op")
+    c.add_argument("--op", type=_op_arg)
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_report)
 
@@ -375,18 +465,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--db-device", help="the DB's device row to freeze (key prefix or name; "
                                        "default: this machine's)")
     c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--dtype")
-    c.add_argument("--max-tokens", type=int,
+    c.add_argument("--dtype", type=_dtype_arg)
+    c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
                    help="largest token band (default 16384 on GPU, 2048 on CPU)")
-    c.add_argument("--ops", help="comma-separated subset of the workload's ops")
-    c.add_argument("--reps", type=int, default=0, help="timing samples (0 = adaptive)")
-    c.add_argument("--budget", type=float, default=0.05,
+    c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of the workload's ops")
+    c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
+                   help="timing samples (0 = adaptive)")
+    c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
                    help="seconds of timing per candidate when adaptive")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
-    c.add_argument("--copy-mib", type=int,
+    c.add_argument("--copy-mib", type=_int_in(1, 1 << 20),
                    help="copy-bandwidth buffer in MiB (default 1024 GPU, 256 CPU)")
     c.add_argument("--device", choices=["cpu", "cuda"])
-    c.add_argument("--out", help="also write the JSON document to this file")
+    c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_bench)
@@ -395,13 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--device", help="the DB's device row (key prefix or name, @DRIVER); must "
                                     "be this machine's device (default: this machine's)")
-    c.add_argument("--ops", help="comma-separated subset of ops")
-    c.add_argument("--noise-floor", type=float, default=0.10,
+    c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
+    c.add_argument("--noise-floor", type=_float_in(0.0), default=0.10,
                    help="smallest relative change counted as drift (default 0.10)")
-    c.add_argument("--reps", type=int, default=0)
-    c.add_argument("--budget", type=float, default=0.05)
+    c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0)
+    c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05)
     c.add_argument("--all", action="store_true", help="show every band, not only drifted ones")
-    c.add_argument("--out", help="also write the JSON document to this file")
+    c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_verify)
@@ -429,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("b", nargs="?", help="calibration DB B (omit to compare two devices of A)")
     c.add_argument("--device-a", help="A's device (key prefix or name, optionally @DRIVER)")
     c.add_argument("--device-b", help="B's device (key prefix or name, optionally @DRIVER)")
-    c.add_argument("--threshold", type=float, default=0.05,
+    c.add_argument("--threshold", type=_float_in(0.0), default=0.05,
                    help="winner-time ratio beyond which a band counts as moved (default 0.05)")
     c.add_argument("--all", action="store_true", help="show every band")
     c.add_argument("--json", action="store_true")
@@ -447,8 +538,13 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return a.fn(a)
-    except (DBError, ModelConfigError, PolicyError, ManifestError, StackMismatch) as e:
+    except (DBError, ModelConfigError, PolicyError, ManifestError, StackMismatch,
+            UsageError) as e:
         print(f"fltune: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # a path the OS refuses (too long, no permission, disk full, ...)
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"fltune: error: {what}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

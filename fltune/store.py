@@ -91,6 +91,11 @@ def _migrate_1_to_2(db: sqlite_utils.Database):
 MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2}
 
 
+def _has_sqlite_header(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(16) == b"SQLite format 3\x00"
+
+
 class CalibrationDB:
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  write: Optional[bool] = None):
@@ -107,6 +112,11 @@ class CalibrationDB:
             p.parent.mkdir(parents=True, exist_ok=True)
         elif p.is_dir():
             raise DBError(f"{self.path} is a directory, not a calibration DB file")
+        elif p.stat().st_size and not _has_sqlite_header(p):
+            # SQLite takes a file shorter than its header for an empty DB and overwrites it
+            raise DBError(f"{self.path} is not a usable SQLite calibration DB (no SQLite "
+                          f"header). It was left untouched; point --db at another file, or "
+                          f"move this one away and calibrate again")
         try:
             conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000,
                                    isolation_level=None)

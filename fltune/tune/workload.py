@@ -83,9 +83,11 @@ def load_config(model: str) -> tuple[str, dict]:
                                f"with config.json, or a config file. Built-in profiles: "
                                f"{', '.join(known_profiles())}")
     try:
-        cfg = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelConfigError(f"{p}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise ModelConfigError(f"{p}: cannot read the model config ({e.strerror or e})") from None
     if not isinstance(cfg, dict):
         raise ModelConfigError(f"{p}: expected a JSON object")
     return src, cfg
