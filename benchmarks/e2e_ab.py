@@ -78,7 +78,7 @@ def start(arm: dict, model_dir: str, port: int, a) -> subprocess.Popen:
         flag = "--db" if arm["manifest"].endswith(".db") else "--manifest"
         cmd = [sys.executable, "-m", "fltune", "serve", "--strict", flag,
                arm["manifest"], "--"] + args
-    log = open(os.path.join(a.out, f"server-{a.profile}-{arm['name']}.log"), "w")
+    log = open(log_path(a, arm["name"]), "w")
     arm["cmd"] = cmd
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -92,15 +92,36 @@ def http(port: int, path: str, body=None, timeout=600):
         return json.loads(r.read() or b"null") if path != "/health" else r.status
 
 
-def wait_ready(procs: dict, ports: dict, timeout: float) -> dict:
-    t0, ready = time.time(), {}
-    while len(ready) < len(procs) and time.time() - t0 < timeout:
+def log_path(a, name: str) -> str:
+    return os.path.join(a.out, f"server-{a.profile}-{name}.log")
+
+
+def error_tail(path: str, n: int = 40) -> list:
+    """The lines of a server log that say why it died (tracebacks' last lines, errors)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.rstrip() for ln in f if not ln.startswith("frame #")]
+    except OSError:
+        return []
+    keep = [ln for ln in lines if "Error" in ln or "error" in ln or "Traceback" in ln
+            or "raise " in ln or "fltune" in ln]
+    return keep[-n:] + ["--- last lines ---"] + lines[-15:]
+
+
+def wait_ready(procs: dict, ports: dict, timeout: float, a) -> tuple:
+    """Waits for every server; one that dies is recorded (with why) and the others go on:
+    an arm that cannot start is a result too."""
+    t0, ready, failed = time.time(), {}, {}
+    while len(ready) + len(failed) < len(procs) and time.time() - t0 < timeout:
         for name, p in procs.items():
-            if name in ready:
+            if name in ready or name in failed:
                 continue
             if p.poll() is not None:
-                raise SystemExit(f"server {name} exited with {p.returncode} during start; "
-                                 f"see its log")
+                failed[name] = {"returncode": p.returncode,
+                                "log_tail": error_tail(log_path(a, name))}
+                print(f"  {name} EXITED with {p.returncode} during start:", flush=True)
+                print("    " + "\n    ".join(failed[name]["log_tail"][-25:]), flush=True)
+                continue
             try:
                 if http(ports[name], "/health", timeout=2) == 200:
                     ready[name] = round(time.time() - t0, 1)
@@ -108,10 +129,11 @@ def wait_ready(procs: dict, ports: dict, timeout: float) -> dict:
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
         time.sleep(2)
-    if len(ready) < len(procs):
-        raise SystemExit(f"servers not ready after {timeout} s: "
-                         f"{sorted(set(procs) - set(ready))}")
-    return ready
+    for name in procs:
+        if name not in ready and name not in failed:
+            failed[name] = {"returncode": None, "log_tail": error_tail(log_path(a, name)),
+                            "why": f"not ready after {timeout} s"}
+    return ready, failed
 
 
 def prompts(batch: int, length: int) -> list:
@@ -144,7 +166,10 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-mem", type=float, default=0.2)
     ap.add_argument("--base-port", type=int, default=8100)
-    ap.add_argument("--start-timeout", type=float, default=480)
+    ap.add_argument("--start-timeout", type=float, default=480,
+                    help="seconds each server (all of them, with --concurrent-start) may take")
+    ap.add_argument("--concurrent-start", action="store_true",
+                    help="start every server at once (faster, but their KV-cache sizing races)")
     ap.add_argument("--vllm-arg", action="append", default=[],
                     help="one more argument for every server (repeatable)")
     a = ap.parse_args()
@@ -161,13 +186,28 @@ def main():
            "arms": {}, "samples": [], "started": time.time()}
     try:
         t0 = time.time()
-        for name, arm in arms.items():
-            procs[name] = start(arm, model_dir, ports[name], a)
-        ready = wait_ready(procs, ports, a.start_timeout)
+        ready, failed = {}, {}
+        if a.concurrent_start:
+            for name, arm in arms.items():
+                procs[name] = start(arm, model_dir, ports[name], a)
+            ready, failed = wait_ready(procs, ports, a.start_timeout, a)
+        else:
+            # one after another: vLLM sizes its KV cache from the memory free while it
+            # profiles, so servers starting together starve each other (seen on the
+            # H200: "No available memory for the cache blocks" in one of four arms)
+            for name, arm in arms.items():
+                procs[name] = start(arm, model_dir, ports[name], a)
+                r, f = wait_ready({name: procs[name]}, ports, a.start_timeout, a)
+                ready.update(r)
+                failed.update(f)
         doc["start_s"] = round(time.time() - t0, 1)
         for name, arm in arms.items():
             doc["arms"][name] = {"manifest": arm["manifest"], "route": arm["route"],
-                                 "cmd": arm["cmd"], "ready_s": ready[name]}
+                                 "cmd": arm["cmd"], "ready_s": ready.get(name),
+                                 "failed": failed.get(name)}
+        arms = {n: arm for n, arm in arms.items() if n in ready}
+        if not arms:
+            raise SystemExit("no server started")
         for b in a.batches:                           # warm every arm at every batch size
             for name in arms:
                 one_request(ports[name], model_dir, b, a)
@@ -209,7 +249,7 @@ def main():
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-        for name in arms:
+        for name in doc["arms"]:
             cs = {}
             for f in glob.glob(os.path.join(a.out, f"counters-{a.profile}-{name}-*.json")):
                 with open(f) as fh:
@@ -217,6 +257,17 @@ def main():
             if cs:
                 doc["arms"].setdefault(name, {})["counters"] = cs
         doc["finished"] = time.time()
+        # the server logs travel as one archive (a device call returns few files)
+        import tarfile
+        logs = sorted(glob.glob(os.path.join(a.out, f"server-{a.profile}-*.log"))
+                      + glob.glob(os.path.join(a.out, f"counters-{a.profile}-*.json")))
+        if logs:
+            with tarfile.open(os.path.join(a.out, f"server-logs-{a.profile}.tar.gz"),
+                              "w:gz") as tf:
+                for f in logs:
+                    tf.add(f, arcname=os.path.basename(f))
+            for f in logs:
+                os.remove(f)
         path = os.path.join(a.out, f"e2e-{a.profile}.json")
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
