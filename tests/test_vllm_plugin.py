@@ -821,3 +821,96 @@ if __name__ == "__main__":
         _drive_offline(sys.argv[2])
     else:
         raise SystemExit(f"unknown driver command {sys.argv[1]!r}")
+
+
+# ---- Qwen3.5's seams: RMSNormGated and MRotaryEmbedding ----------------------------------
+
+def _counting_impl(op_name, calls):
+    """A correct candidate for ``op_name`` (its reference), registered as ``vendor.test``:
+    no non-reference candidate for these ops runs on a CPU, and a manifest only routes an
+    op whose winner is not native PyTorch."""
+    from fltune.dispatch.types import BackendImplKind, OpImpl
+    from fltune.ops import get_op
+
+    ref = get_op(op_name).reference
+
+    def fn(*args):
+        calls[op_name] = calls.get(op_name, 0) + 1
+        return ref(*args)
+
+    return OpImpl(op_name, "vendor.test", BackendImplKind.VENDOR, fn, vendor="test",
+                  backend="test")
+
+
+def test_gated_norm_and_mrope_seams_route_and_match_vllm():
+    import torch
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, \
+        set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNormGated
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from fltune.dispatch.frozen import freeze_dispatch
+    from fltune.dispatch.manager import get_default_manager
+    from fltune.integrations.vllm import ops
+
+    calls = {}
+    reg = get_default_manager().registry
+    for op in ("rms_norm_gated", "mrope"):
+        reg.register(_counting_impl(op, calls))
+    heads, kv_heads, head_dim, rot = 4, 2, 32, 16
+    manifest = make_manifest({
+        "rms_norm_gated": {"fallback": "vendor.test", "tables": [
+            table([HEAD_DIM], [band(1, BIG, "vendor.test")], rows_per_token=heads)]},
+        "mrope": {"fallback": "vendor.test", "tables": [
+            table([heads * head_dim], [band(1, BIG, "vendor.test")])]}})
+    plugin = _plugin()
+    plugin._reset_for_tests()
+    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
+    assert set(ops.current_plan().routed) == {"rms_norm_gated", "mrope"}
+    ops.register_layers()
+    freeze_dispatch(manifest)
+    cc = CompilationConfig(mode=CompilationMode.NONE)
+    try:
+        with set_current_vllm_config(VllmConfig(compilation_config=cc)):
+            gated = RMSNormGated(HEAD_DIM, eps=1e-6, group_size=None, norm_before_gate=True,
+                                 activation="silu", dtype=torch.bfloat16)
+            rope = get_rope(head_dim, 512, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor":
+                rot / head_dim, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                dtype=torch.bfloat16)
+        assert type(gated).__name__ == "FltuneRMSNormGated"
+        assert gated.fltune_routes == {"rms_norm_gated"}
+        assert type(rope).__name__ == "FltuneMRotaryEmbedding"
+        assert rope.fltune_routes == {"mrope"}
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            gated.weight.normal_(1.0, 0.1, generator=g)
+        n = 5
+        x = torch.randn(n, heads, HEAD_DIM, generator=g).to(torch.bfloat16)
+        z = torch.randn(n, heads, HEAD_DIM, generator=g).to(torch.bfloat16)
+        got = gated(x, z)
+        want = gated.forward_native(x, z)
+        assert got.shape == x.shape and calls.get("rms_norm_gated") == 1
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        # no gate: outside the op's contract -> vLLM's own path, not counted
+        gated(x)
+        assert calls.get("rms_norm_gated") == 1
+
+        pos = torch.randint(0, 512, (3, n), generator=g)
+        q = torch.randn(n, heads * head_dim, generator=g).to(torch.bfloat16)
+        k = torch.randn(n, kv_heads * head_dim, generator=g).to(torch.bfloat16)
+        want_q, want_k = rope.forward_native(pos, q.clone(), k.clone())
+        got_q, got_k = rope(pos, q.clone(), k.clone())
+        assert calls.get("mrope") == 1
+        torch.testing.assert_close(got_q.float(), want_q.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(got_k.float(), want_k.float(), atol=2e-2, rtol=2e-2)
+        # text-only positions (N,) stay on vLLM's path
+        rope(pos[0], q.clone(), k.clone())
+        assert calls.get("mrope") == 1
+        # and the routed call traces as one opaque op, without graph breaks
+        compiled = torch.compile(lambda p, a, b: rope(p, a, b), backend="eager",
+                                 fullgraph=True)
+        c_q, _ = compiled(pos, q.clone(), k.clone())
+        torch.testing.assert_close(c_q.float(), want_q.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        plugin._reset_for_tests()

@@ -98,24 +98,40 @@ class FrozenDispatch:
                     his[:-1], tuple(impls))
             self._tables[op_name] = table
             self._fallback[op_name] = registry.get(op_name, entry["fallback"])
+        self._selectors = {op: _selector(self._tables[op], self._fallback[op],
+                                         self._key_arg[op]) for op in self._tables}
 
     def select(self, op_name: str, *args):
         """The implementation the frozen table picks for these arguments."""
-        x = args[self._key_arg[op_name]]
-        shape = x.shape                       # one read: each .shape builds a new object
-        hit = self._tables[op_name].get((x.dtype, tuple(shape[1:])))
-        if hit is None:
-            return self._fallback[op_name]
-        edges, impls = hit
-        if not edges:
-            return impls[0]
-        return impls[bisect.bisect_left(edges, shape[0])]
+        return self._selectors[op_name](args)
 
     def call(self, op_name: str, *args):
-        return self.select(op_name, *args).fn(*args)
+        return self._selectors[op_name](args).fn(*args)
 
     def ops(self):
         return list(self._tables)
+
+
+def _selector(table: dict, fallback, key_arg: int):
+    """One op's band lookup as a closure over its table, built once at freeze time: the
+    hot path then costs a tuple index, two tensor attribute reads, one dict get and (only
+    where bands pick different implementations) one bisect. ``torch.Size`` hashes and
+    compares like the tuple keys, so the trailing shape needs no conversion."""
+    entries = {k: (edges, impls, None if edges else impls[0])
+               for k, (edges, impls) in table.items()}
+    get, bisect_left = entries.get, bisect.bisect_left
+
+    def select(args):
+        x = args[key_arg]
+        shape = x.shape                   # one read: each .shape builds a new object
+        hit = get((x.dtype, shape[1:]))
+        if hit is None:
+            return fallback
+        if hit[2] is not None:
+            return hit[2]
+        return hit[1][bisect_left(hit[0], shape[0])]
+
+    return select
 
 
 _state_lock = threading.Lock()

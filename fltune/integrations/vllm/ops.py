@@ -13,7 +13,8 @@ Two layers, for two reasons:
    traced code would run once, at trace time.
 
 2. **Out-of-tree CustomOp classes** (``CustomOp.register_oot``, keyed by the in-tree class
-   name: ``RMSNorm``, ``GemmaRMSNorm``, ``SiluAndMul``, ``GeluAndMul``, ``RotaryEmbedding``).
+   name: ``RMSNorm``, ``GemmaRMSNorm``, ``RMSNormGated``, ``SiluAndMul``, ``GeluAndMul``,
+   ``RotaryEmbedding``, ``MRotaryEmbedding``).
    vLLM's ``CustomOp.__new__`` instantiates the replacement wherever the model builds the
    in-tree class. Each replacement decides once, when vLLM fixes the layer's forward
    (``dispatch_forward``, at construction), whether the plan routes its op:
@@ -198,6 +199,29 @@ def _(positions, query, key, head_size, cos_sin_cache, is_neox):
     return None
 
 
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_gated", mutates_args=())
+def rms_norm_gated(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                   norm_before_gate: bool) -> Tensor:
+    return dispatch("rms_norm_gated", x, z, weight, eps, group_size, norm_before_gate)
+
+
+@rms_norm_gated.register_fake
+def _(x, z, weight, eps, group_size, norm_before_gate):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::mrope", mutates_args=("query", "key"))
+def mrope(positions: Tensor, query: Tensor, key: Tensor, head_size: int,
+          cos_sin_cache: Tensor, mrope_section: list[int], interleaved: bool) -> None:
+    dispatch("mrope", positions, query, key, head_size, cos_sin_cache, tuple(mrope_section),
+             interleaved)
+
+
+@mrope.register_fake
+def _(positions, query, key, head_size, cos_sin_cache, mrope_section, interleaved):
+    return None
+
+
 #: op name -> the torch op a routed layer calls
 TORCH_OPS = {
     "rms_norm": torch.ops.fltune.rms_norm,
@@ -208,6 +232,8 @@ TORCH_OPS = {
     "gelu_and_mul": torch.ops.fltune.gelu_and_mul,
     "gelu_tanh_and_mul": torch.ops.fltune.gelu_tanh_and_mul,
     "rotary_embedding": torch.ops.fltune.rotary_embedding,
+    "rms_norm_gated": torch.ops.fltune.rms_norm_gated,
+    "mrope": torch.ops.fltune.mrope,
 }
 
 #: in-tree vLLM class name -> the fltune ops its forward can route
@@ -217,6 +243,8 @@ LAYER_OPS = {
     "SiluAndMul": ("silu_and_mul",),
     "GeluAndMul": ("gelu_and_mul", "gelu_tanh_and_mul"),
     "RotaryEmbedding": ("rotary_embedding",),
+    "RMSNormGated": ("rms_norm_gated",),
+    "MRotaryEmbedding": ("mrope",),
 }
 
 #: ops some vLLM layer seam can call (the rest of a manifest is reported, not routed)
@@ -263,8 +291,9 @@ class SeamMixin:
 
 def _build_layer_classes() -> dict:
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
-    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
     class FltuneRMSNorm(SeamMixin, RMSNorm):
         _fltune_ops = LAYER_OPS["RMSNorm"]
@@ -339,11 +368,47 @@ def _build_layer_classes() -> dict:
                                               cos_sin_cache, self.is_neox_style)
             return query, key
 
+    class FltuneRMSNormGated(SeamMixin, RMSNormGated):
+        """Qwen3.5's gated norm in the GDN layers: ``norm(x) * silu(z)`` (or the gate
+        first). Calls outside the op's contract (no gate, a bias, a sigmoid gate) stay on
+        vLLM's path."""
+        _fltune_ops = LAYER_OPS["RMSNormGated"]
+        _fltune_layer = "RMSNormGated"
+
+        def _fltune_forward(self, x, z=None):
+            if (z is None or getattr(self, "bias", None) is not None
+                    or self.activation not in ("silu", "swish") or z.shape != x.shape):
+                return self._fltune_native(x, z)
+            shape = x.shape
+            out = torch.ops.fltune.rms_norm_gated(
+                x.reshape(-1, shape[-1]), z.reshape(-1, shape[-1]), self.weight.data,
+                self.eps, int(self.group_size or 0), bool(self.norm_before_gate))
+            return out.view(shape)
+
+    class FltuneMRotaryEmbedding(SeamMixin, MRotaryEmbedding):
+        """Qwen3.5's multimodal rope. Routed only for what the op covers: (3, N) positions,
+        NeoX style, a key, no offsets; text-only (N,) positions stay on vLLM's path."""
+        _fltune_ops = LAYER_OPS["MRotaryEmbedding"]
+        _fltune_layer = "MRotaryEmbedding"
+
+        def _fltune_forward(self, positions, query, key=None, offsets=None):
+            if (positions.dim() != 2 or key is None or offsets is not None
+                    or not self.mrope_section or not self.is_neox_style
+                    or query.dim() != 2 or key.dim() != 2):
+                return self._fltune_native(positions, query, key, offsets)
+            cos_sin_cache = self._match_cos_sin_cache_dtype(query)
+            torch.ops.fltune.mrope(positions, query, key, self.head_size, cos_sin_cache,
+                                   [int(s) for s in self.mrope_section],
+                                   bool(getattr(self, "mrope_interleaved", False)))
+            return query, key
+
     classes = {"RMSNorm": (FltuneRMSNorm, RMSNorm),
                "GemmaRMSNorm": (FltuneGemmaRMSNorm, GemmaRMSNorm),
                "SiluAndMul": (FltuneSiluAndMul, SiluAndMul),
                "GeluAndMul": (FltuneGeluAndMul, GeluAndMul),
-               "RotaryEmbedding": (FltuneRotaryEmbedding, RotaryEmbedding)}
+               "RotaryEmbedding": (FltuneRotaryEmbedding, RotaryEmbedding),
+               "RMSNormGated": (FltuneRMSNormGated, RMSNormGated),
+               "MRotaryEmbedding": (FltuneMRotaryEmbedding, MRotaryEmbedding)}
     assert set(classes) == set(LAYER_OPS)
     return classes
 
