@@ -35,9 +35,11 @@ def main():
     ap.add_argument("--port", type=int, default=8300)
     ap.add_argument("--gpu-mem", type=float, default=0.12)
     ap.add_argument("--start-timeout", type=float, default=420)
+    ap.add_argument("--model-dir", help="serve this HF config directory instead of --profile's")
+    ap.add_argument("--vllm-arg", action="append", default=[])
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    model = make_model_dir(a.profile)
+    model = os.path.abspath(a.model_dir) if a.model_dir else make_model_dir(a.profile)
     tag = f"tp{a.tp}-{a.profile}"
     env = dict(os.environ, FLTUNE_COUNTERS_FILE=os.path.join(
         os.path.abspath(a.out), f"counters-{tag}-{{pid}}.json"), FLTUNE_COUNTERS_INTERVAL="1")
@@ -45,7 +47,7 @@ def main():
            "--model", model, "--load-format", "dummy", "--skip-tokenizer-init",
            "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization",
            str(a.gpu_mem), "--tensor-parallel-size", str(a.tp), "--host", "127.0.0.1",
-           "--port", str(a.port), "--disable-log-stats", "--seed", "0"]
+           "--port", str(a.port), "--disable-log-stats", "--seed", "0"] + a.vllm_arg
     log = os.path.join(a.out, f"server-{tag}.log")
     doc = {"profile": a.profile, "tp": a.tp, "cmd": cmd}
     t0 = time.time()

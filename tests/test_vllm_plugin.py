@@ -313,8 +313,12 @@ def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert argv[3:5] == ["--model", "/models/x"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
-    assert extra == {"a": 1, "fltune_dispatch_fingerprint": plan.fingerprint}
+    assert extra == {"a": 1, "fltune_dispatch_fingerprint": plan.fingerprint,
+                     "fltune_route": "auto"}
     assert env["FLTUNE_MANIFEST"] == str(Path(good).resolve()) and "FLTUNE_DB" not in env
+    # the route mode travels too: it changes which ops are routed, so the cache key
+    argv, _, _ = serve.prepare(good, False, ["/models/x"], environ={"FLTUNE_ROUTE": "ALL"})
+    assert json.loads(argv[argv.index("--additional-config") + 1])["fltune_route"] == "all"
     bad = write(tmp_path / "h200.json", other_device_manifest())
     argv, env, plan = serve.prepare(bad, False, ["/models/x"], environ={})
     assert plan is None and "FLTUNE_MANIFEST" not in env

@@ -145,7 +145,7 @@ def before_load_model(runner) -> None:
     plan = ops.current_plan()
     if plan is None:
         return
-    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTES_CONFIG_KEY, compiled_with_inductor, fail
+    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail
 
     from .plugin import FltunePluginError, exact_device_problem
 
@@ -168,12 +168,14 @@ def before_load_model(runner) -> None:
                             f"not a dict, so the dispatch fingerprint cannot be recorded "
                             f"in the compile-cache key")
         extra[ADDITIONAL_CONFIG_KEY] = fd.fingerprint
-        # which ops route depends on the compile mode too (fusion, plugin.py): key it
+        # which ops route depends on the route mode and the compile mode (fusion,
+        # plugin.py); vLLM hashes its compilation config itself, the mode is keyed here
         compiled = compiled_with_inductor()
         routes = plan.effective_routes(compiled)
-        extra[ROUTES_CONFIG_KEY] = routes
+        extra[ROUTE_CONFIG_KEY] = plan.route
         RECORD.update(pid=os.getpid(), fingerprint=fd.fingerprint, source=plan.source,
                       compiled_with_inductor=compiled, route_mode=plan.route,
+                      effective_routes=routes,
                       routed={k: list(v) for k, v in plan.routed.items() if k in routes},
                       native_for_fusion={k: getattr(plan.fusion.get(k), "why", "") for k in plan.routed
                                          if k not in routes},

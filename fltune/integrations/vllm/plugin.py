@@ -53,7 +53,9 @@ from .ops import CALL_COUNTS, counters, reset_counters  # noqa: F401  (public re
 log = logging.getLogger("vllm.fltune")
 
 ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
-ROUTES_CONFIG_KEY = "fltune_routes"
+#: the route mode (auto/all) beside the fingerprint in additional_config: with the manifest
+#: and vLLM's compilation config (hashed by vLLM itself) it fixes which ops are routed
+ROUTE_CONFIG_KEY = "fltune_route"
 NATIVE_PREFIX = "reference."
 ENV_MANIFEST = "FLTUNE_MANIFEST"
 ENV_DB = "FLTUNE_DB"

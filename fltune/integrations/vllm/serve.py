@@ -71,9 +71,10 @@ def _device_facts() -> tuple:
     return "cpu", None
 
 
-def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str]) -> list:
-    """The server's argv: model positional -> --model, fingerprint merged into
-    --additional-config (so the API server and engine processes carry it too)."""
+def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str],
+              route: str = "auto") -> list:
+    """The server's argv: model positional -> --model, fingerprint and route mode merged
+    into --additional-config (so the API server and engine processes carry them too)."""
     args = list(vllm_args)
     if args and args[0] == "--":
         args = args[1:]
@@ -97,6 +98,7 @@ def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str]) -> list:
             if not isinstance(extra, dict):
                 raise ServeError(f"--additional-config must be a JSON object: {raw!r}")
         extra[plugin.ADDITIONAL_CONFIG_KEY] = fingerprint
+        extra[plugin.ROUTE_CONFIG_KEY] = route
         new = ["--additional-config", json.dumps(extra, sort_keys=True)]
         args = args[:idx[0]] + new + args[idx[1]:] if idx else args + new
     return [sys.executable, "-m", VLLM_SERVER_MODULE] + args
@@ -126,7 +128,8 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     if strict:
         env[plugin.ENV_STRICT] = "1"
     print(plugin.plan_table(plan), file=out, flush=True)
-    return vllm_argv(vllm_args, plan.fingerprint), env, plan
+    route = (env.get(plugin.ENV_ROUTE) or "auto").strip().lower()
+    return vllm_argv(vllm_args, plan.fingerprint, route), env, plan
 
 
 def serve(manifest_or_db_path: str, strict: bool = False, vllm_args: Sequence[str] = ()):
