@@ -70,8 +70,12 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
     den = sum(r["weight"] * r["winner_us"] for r in rows if r["fl_us"])
     fl_bad = [r for r in rows if r["fl_outcome"] and r["fl_outcome"] != "timed"]
     last = runs[-1] if runs else {}
+    models = sorted({(r["model"], r["dtype"], r["tp"]) for r in runs},
+                    key=lambda m: tuple(map(str, m)))
     return {"device": dev, "run": {k: last.get(k) for k in ("id", "model", "dtype", "tp", "status",
                                                           "started", "finished")},
+            # a DB often holds several models' calibrations; the rows cover all of them
+            "models": [{"model": m, "dtype": d, "tp": t} for m, d, t in models],
             "stack": json.loads(last["stack"]) if last.get("stack") else {},
             "rows": rows,
             "summary": {"bands": len(rows),
@@ -118,6 +122,10 @@ def render(rep: dict, console=None) -> None:
                   f"{d['sms']} {'SMs' if d['device_type'] == 'cuda' else 'cores'}, driver {d['driver']}")
     console.print(f"run {run.get('id')}: model {run.get('model')} {run.get('dtype')} tp={run.get('tp')} "
                   f"({run.get('status')}); stack: " + ", ".join(f"{k} {v}" for k, v in st.items() if v))
+    models = rep.get("models", [])
+    if len(models) > 1:
+        console.print("models calibrated in this DB for this device: " + ", ".join(
+            f"{m['model']} {m['dtype']} tp={m['tp']}" for m in models))
     groups = defaultdict(list)
     for r in rep["rows"]:
         groups[(r["op"], r["signature"], r["dtype"])].append(r)

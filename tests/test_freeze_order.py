@@ -65,3 +65,17 @@ def test_cli_writes_the_fl_manifest(tmp_path):
     m = json.loads(out.read_text())
     assert m["order"] == "fl"
     assert json.loads(r.stdout.strip().splitlines()[-1])["fingerprint"] == m["fingerprint"]
+
+
+def test_report_names_every_model_the_db_holds():
+    """The shipped DB holds two models; the header used to name only the newest run's."""
+    import io
+
+    from rich.console import Console
+
+    rep = report.build(H200_DB, device="NVIDIA")
+    assert {m["model"] for m in rep["models"]} == {"Qwen3.5-0.8B", "Qwen3-0.6B"}
+    buf = io.StringIO()
+    report.render(rep, Console(file=buf, width=200))
+    header = buf.getvalue().splitlines()[:3]
+    assert any("Qwen3.5-0.8B" in ln and "Qwen3-0.6B" in ln for ln in header), header
