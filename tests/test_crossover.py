@@ -147,19 +147,55 @@ def _counts(path) -> dict:
         con.close()
 
 
-def test_shipped_db_migrates_on_a_copy_and_readers_leave_it_untouched(tmp_path):
-    assert SCHEMA_VERSION == 2
+def _as_version_1(src, dst):
+    """A copy of ``src`` as schema version 1 wrote it: the H200 rows without the two tables
+    that version 2 added (the shipped DB is already refined, hence version 2)."""
+    shutil.copy(src, dst)
+    con = sqlite3.connect(dst)
+    try:
+        con.execute("drop table if exists crossovers")
+        con.execute("drop table if exists refine_runs")
+        con.execute("update meta set value='1' where key='schema_version'")
+        con.commit()
+        con.execute("pragma wal_checkpoint(TRUNCATE)")
+    finally:
+        con.close()
+
+
+def test_shipped_db_is_refined_and_freezes_with_its_edges():
+    """The shipped H200 DB carries the crossovers `benchmarks/h200_refine.sh` measured;
+    freezing applies them (and `--order fl` does not)."""
     shipped = _digest(H200_DB)
+    db = CalibrationDB(H200_DB, create=False)
+    try:
+        assert db.schema_version() == 2
+        rows = db.db.execute("select count(*) from crossovers").fetchone()[0]
+    finally:
+        db.close()
+    assert rows >= 1
+    m, _ = build_manifest(str(H200_DB), device="NVIDIA", check_stack=False)
+    refined = [b for e in m["ops"].values() for t in e["tables"] for b in t["bands"]
+               if b.get("refined")]
+    assert refined and all(b["hi"] != b["coarse_hi"] for b in refined)
+    fl, _ = build_manifest(str(H200_DB), device="NVIDIA", check_stack=False, order="fl")
+    assert not [b for e in fl["ops"].values() for t in e["tables"] for b in t["bands"]
+                if b.get("refined")]
+    assert _digest(H200_DB) == shipped          # readers never write the shipped file
+
+
+def test_version_1_copy_of_the_h200_db_migrates_and_readers_leave_it_untouched(tmp_path):
+    assert SCHEMA_VERSION == 2
     copy = tmp_path / "h200.db"
-    shutil.copy(H200_DB, copy)
+    _as_version_1(H200_DB, copy)
+    v1 = _digest(copy)
     before = _counts(copy)
     # a reader (freeze, report) opens the version-1 DB as it is: no rewrite, no crossovers
     db = CalibrationDB(copy, create=False)
     assert db.schema_version() == 1 and db.crossovers("x", "y") == []
     db.close()
-    assert _digest(copy) == shipped
+    assert _digest(copy) == v1
     m1, _ = build_manifest(str(copy), device="NVIDIA", check_stack=False)
-    assert _digest(copy) == shipped
+    assert _digest(copy) == v1
     # a writer migrates it forward: new tables, every row kept
     db = CalibrationDB(copy, create=False, write=True)
     try:
@@ -172,7 +208,6 @@ def test_shipped_db_migrates_on_a_copy_and_readers_leave_it_untouched(tmp_path):
     assert _counts(copy) == before
     m2, _ = build_manifest(str(copy), device="NVIDIA", check_stack=False)
     assert m2["ops"] == m1["ops"]               # no crossovers yet: the same tables
-    assert _digest(H200_DB) == shipped          # the shipped file itself was never opened
 
 
 def test_version_1_db_built_by_the_old_schema_migrates(tmp_path):
