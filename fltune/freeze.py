@@ -120,18 +120,22 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                      "runner_up": None, "runner_up_us": None, "gap": None,
                      "reason": "policy override"}
             rows.append(w)
+        # measured with the software stack the winners were: an older stack's rows are not
+        # evidence about this one
+        stack_keys = set(stacks)
         native = {(m["op"], m["signature"], m["dtype"], m["band_hi"]): m["median_us"]
                   for m in db.measurements(dev["device_key"], dev["driver"],
-                                           impl_id=NATIVE_COMPILED, outcome="timed")}
+                                           impl_id=NATIVE_COMPILED, outcome="timed")
+                  if m.get("stack_key") in stack_keys}
         # refined edges (``fltune refine``) move the boundary between two measured winners;
         # the fixed FL order's bands are not what was refined, so they keep the band edges
         crossovers = ({(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
                        for c in db.crossovers(dev["device_key"], dev["driver"])}
                       if order == "measured" else {})
         ops = _tables(rows, registry, native, crossovers)
-        floor = db.db.execute(
-            "select min(median_us) from measurements where device_key=? and driver=? "
-            "and outcome='timed'", [dev["device_key"], dev["driver"]]).fetchone()[0]
+        floor = min((m["median_us"] for m in db.measurements(
+            dev["device_key"], dev["driver"], outcome="timed")
+            if m.get("stack_key") in stack_keys and m["median_us"]), default=None)
         manifest = {
             "format": MANIFEST_FORMAT,
             "device": {k: dev[k] for k in ("device_key", "device_type", "name", "capability",
@@ -140,6 +144,12 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
             "stack": sorted(stacks.values(), key=lambda s: json.dumps(s, sort_keys=True)),
             "policy": policy.to_dict(),
             "order": order,
+            # order "fl": bands where FL's pick could not be served (it failed parity or was
+            # never timed), so the measured winner stands in: the baseline is not pure FL there
+            "fl_substitutions": [{"op": w["op"], "signature": w["signature"],
+                                  "band_hi": w["band_hi"], "reason": w["reason"]}
+                                 for w in rows if order == "fl" and str(w.get("reason", ""))
+                                 .endswith("measured winner kept")],
             "band_rule": BAND_RULE,
             "source_db": {"path": str(db_path),
                           "runs": [r["id"] for r in db.runs(dev["device_key"])]},
@@ -166,8 +176,14 @@ def _fl_rows(db, dev, winners, policy, registry) -> list[dict]:
         ms = db.measurements(dev["device_key"], dev["driver"], op=w["op"],
                              signature=w["signature"], dtype=w["dtype"], band_hi=w["band_hi"])
         fl = fl_pick(ms, policy, registry) if ms else None
-        if fl is None or fl["outcome"] != "timed" or fl["impl_id"] == w["impl_id"]:
+        if fl is not None and fl["impl_id"] == w["impl_id"]:
             out.append(w)
+            continue
+        if fl is None or fl["outcome"] != "timed":
+            # never serve a pick known to fail; say so in the band, so the arm is auditable
+            why = (f"FL pick {fl['impl_id']} not usable ({fl['outcome']}); measured winner "
+                   f"kept" if fl else "no FL pick measured; measured winner kept")
+            out.append({**w, "reason": why})
             continue
         out.append({**w, "impl_id": fl["impl_id"], "kind": fl["kind"], "vendor": fl["vendor"],
                     "median_us": fl["median_us"], "runner_up": None, "runner_up_us": None,

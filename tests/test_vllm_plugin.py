@@ -314,11 +314,17 @@ def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
     assert argv[3:5] == ["--model", "/models/x"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra == {"a": 1, "fltune_dispatch_fingerprint": plan.fingerprint,
-                     "fltune_route": "auto"}
+                     "fltune_route": _plugin().route_key("auto")}
     assert env["FLTUNE_MANIFEST"] == str(Path(good).resolve()) and "FLTUNE_DB" not in env
     # the route mode travels too: it changes which ops are routed, so the cache key
     argv, _, _ = serve.prepare(good, False, ["/models/x"], environ={"FLTUNE_ROUTE": "ALL"})
-    assert json.loads(argv[argv.index("--additional-config") + 1])["fltune_route"] == "all"
+    assert json.loads(argv[argv.index("--additional-config") + 1])["fltune_route"].startswith(
+        "all:")
+    # a bad route mode: warned and vanilla, or refused with --strict
+    argv, env, plan = serve.prepare(good, False, ["/models/x"], environ={"FLTUNE_ROUTE": "x"})
+    assert plan is None and "FLTUNE_MANIFEST" not in env
+    with pytest.raises(serve.ServeError, match="FLTUNE_ROUTE"):
+        serve.prepare(good, True, ["/models/x"], environ={"FLTUNE_ROUTE": "x"})
     bad = write(tmp_path / "h200.json", other_device_manifest())
     argv, env, plan = serve.prepare(bad, False, ["/models/x"], environ={})
     assert plan is None and "FLTUNE_MANIFEST" not in env
@@ -957,3 +963,63 @@ def test_tensor_parallel_ranks_serve_the_same_manifest(engines):
             allowed = {b["impl_id"] for t in entry["tables"] for b in t["bands"]}
             assert set(impls) <= allowed | {entry["fallback"]}, (op, impls)
     assert len(pids) == 2
+
+
+def test_only_layers_that_route_are_replaced():
+    """vLLM tests some layers' exact type (Qwen3.5 attention fuses q/k norm + rope + gate only
+    for ``type(rotary_emb) is MRotaryEmbedding``): a class whose ops are not routed must stay
+    vLLM's own, at plugin load and again once the compile mode is known."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, \
+        set_current_vllm_config
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    from fltune.integrations.vllm import hooks, ops
+
+    plugin = _plugin()
+    plugin._reset_for_tests()
+    plan = plugin.build_plan(fusion_manifest(), "t", device_type="cpu")
+    try:
+        ops.set_plan(plan)
+        ops.register_layers(plan.routed)
+        assert set(op_registry_oot) >= {"RMSNorm", "SiluAndMul"}
+        assert not {"MRotaryEmbedding", "RotaryEmbedding", "RMSNormGated"} & set(op_registry_oot)
+        with set_current_vllm_config(VllmConfig()):
+            rope = get_rope(32, 512, rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
+                "mrope_interleaved": True}, dtype=torch.bfloat16)
+        assert type(rope) is MRotaryEmbedding
+        # compiled: rms_norm's win is below the launch floor -> RMSNorm goes back to vLLM's
+        cfg = VllmConfig(compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, backend="inductor"))
+        with set_current_vllm_config(cfg):
+            hooks.before_load_model(SimpleNamespace(vllm_config=cfg))
+        assert "RMSNorm" not in op_registry_oot and "SiluAndMul" in op_registry_oot
+        assert cfg.additional_config["fltune_route"] == plugin.route_key("auto")
+    finally:
+        plugin._reset_for_tests()
+
+
+def test_a_failed_plan_strips_fltune_keys_from_the_cache_key(monkeypatch, tmp_path):
+    """`fltune serve` puts the fingerprint on the command line; a worker whose plan failed
+    serves vanilla vLLM and must not compile under that key."""
+    from types import SimpleNamespace
+
+    from fltune.integrations.vllm import hooks
+
+    plugin = _plugin()
+    monkeypatch.setenv("FLTUNE_MANIFEST", write(tmp_path / "h200.json", other_device_manifest()))
+    plugin._reset_for_tests()
+    try:
+        plugin.register()
+        assert plugin.STATUS["state"] == "failed"
+        cfg = SimpleNamespace(additional_config={
+            "fltune_dispatch_fingerprint": "abc", "fltune_route": "auto:x", "other": 1})
+        hooks.before_load_model(SimpleNamespace(vllm_config=cfg))
+        assert cfg.additional_config == {"other": 1, "fltune_applied": False}
+    finally:
+        plugin._reset_for_tests()

@@ -141,11 +141,30 @@ def install_load_model_hooks() -> None:
 
 # ---- the hook ---------------------------------------------------------------------------
 
+def _strip_fltune_keys(runner) -> None:
+    """A process that serves vanilla vLLM (the plan failed) must not cache its graphs under
+    the fingerprint `fltune serve` put on the command line."""
+    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, STATUS
+
+    if STATUS.get("state") != "failed":
+        return
+    extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None)
+    if isinstance(extra, dict) and (ADDITIONAL_CONFIG_KEY in extra or ROUTE_CONFIG_KEY in extra):
+        extra.pop(ADDITIONAL_CONFIG_KEY, None)
+        extra.pop(ROUTE_CONFIG_KEY, None)
+        extra["fltune_applied"] = False
+
+
 def before_load_model(runner) -> None:
     plan = ops.current_plan()
     if plan is None:
+        try:
+            _strip_fltune_keys(runner)
+        except Exception:
+            pass
         return
-    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail
+    from .plugin import (ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail,
+                         route_key)
 
     from .plugin import FltunePluginError, exact_device_problem
 
@@ -172,7 +191,9 @@ def before_load_model(runner) -> None:
         # plugin.py); vLLM hashes its compilation config itself, the mode is keyed here
         compiled = compiled_with_inductor()
         routes = plan.effective_routes(compiled)
-        extra[ROUTE_CONFIG_KEY] = plan.route
+        extra[ROUTE_CONFIG_KEY] = route_key(plan.route)
+        # only the layers that route something are replaced (see ops.needed_layers)
+        ops.unregister_layers(keep=ops.needed_layers(routes))
         RECORD.update(pid=os.getpid(), fingerprint=fd.fingerprint, source=plan.source,
                       compiled_with_inductor=compiled, route_mode=plan.route,
                       effective_routes=routes,

@@ -360,9 +360,8 @@ def _build_layer_classes() -> dict:
         _fltune_layer = "RotaryEmbedding"
 
         def _fltune_forward(self, positions, query, key=None):
-            if (positions.dim() != 1 or query.dim() != 2
-                    or (key is not None and key.dim() != 2)):
-                return self._fltune_native(positions, query, key)
+            if positions.dim() != 1 or query.dim() != 2 or key is None or key.dim() != 2:
+                return self._fltune_native(positions, query, key)   # outside the contract
             cos_sin_cache = self._match_cos_sin_cache_dtype(query)
             torch.ops.fltune.rotary_embedding(positions, query, key, self.head_size,
                                               cos_sin_cache, self.is_neox_style)
@@ -433,18 +432,31 @@ def oot_conflicts() -> list:
             and op_registry_oot[name] not in ours]
 
 
-def register_layers() -> list:
-    """Register every replacement with ``CustomOp.register_oot`` (idempotent). Returns the
-    in-tree names registered by this call. Raises if another plugin holds one of them."""
+def needed_layers(routed_ops) -> set:
+    """The in-tree class names whose replacement would route at least one of ``routed_ops``.
+
+    Only those are replaced: a replacement is a subclass, and vLLM sometimes tests a layer's
+    exact type (Qwen3-Next/Qwen3.5 attention takes its fused q/k-norm + rope + gate kernel
+    only when ``type(rotary_emb) is MRotaryEmbedding``), so a replacement that routes
+    nothing could still cost a fused kernel."""
+    routed_ops = set(routed_ops)
+    return {name for name, op_names in LAYER_OPS.items() if routed_ops & set(op_names)}
+
+
+def register_layers(routed_ops=None) -> list:
+    """Register the replacements (all, or those :func:`needed_layers` names for
+    ``routed_ops``) with ``CustomOp.register_oot`` (idempotent). Returns the in-tree names
+    registered by this call. Raises if another plugin holds one of them."""
     from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 
     conflicts = oot_conflicts()
     if conflicts:
         raise RuntimeError("another vLLM plugin already replaced " + ", ".join(conflicts)
                            + "; fltune will not override it")
+    wanted = set(LAYER_OPS) if routed_ops is None else needed_layers(routed_ops)
     done = []
     for name, (cls, intree) in layer_classes().items():
-        if op_registry_oot.get(name) is cls:
+        if name not in wanted or op_registry_oot.get(name) is cls:
             continue
         CustomOp.register_oot(_decorated_op_cls=cls, name=name)
         # register_oot renamed the class to its registry key; keep the in-tree op name so
@@ -454,14 +466,15 @@ def register_layers() -> list:
     return done
 
 
-def unregister_layers() -> None:
-    """Withdraw our replacements (layers built afterwards are vLLM's own again)."""
+def unregister_layers(keep=()) -> None:
+    """Withdraw our replacements but those named in ``keep`` (layers built afterwards are
+    vLLM's own again)."""
     if _layer_classes is None:
         return
     from vllm.model_executor.custom_op import op_registry_oot
 
     for name, (cls, _) in _layer_classes.items():
-        if op_registry_oot.get(name) is cls:
+        if name not in keep and op_registry_oot.get(name) is cls:
             del op_registry_oot[name]
 
 

@@ -56,6 +56,14 @@ ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
 #: the route mode (auto/all) beside the fingerprint in additional_config: with the manifest
 #: and vLLM's compilation config (hashed by vLLM itself) it fixes which ops are routed
 ROUTE_CONFIG_KEY = "fltune_route"
+#: bumped whenever the rule that turns (manifest, mode, compile mode) into routes changes:
+#: the rule lives in code Dynamo never traces, so vLLM's code hash cannot see it
+ROUTE_RULE = "decode-mix-vs-launch-floor/1"
+
+
+def route_key(mode: str) -> str:
+    """The value keyed under ROUTE_CONFIG_KEY: the mode and the rule's version."""
+    return f"{mode}:{ROUTE_RULE}"
 NATIVE_PREFIX = "reference."
 ENV_MANIFEST = "FLTUNE_MANIFEST"
 ENV_DB = "FLTUNE_DB"
@@ -387,6 +395,13 @@ def fail(exc: BaseException, settings: Optional[Settings], where: str) -> None:
         pass
     frozen.thaw_dispatch()
     STATUS.update(state="failed", error=f"{type(exc).__name__}: {exc}", source=source)
+    try:
+        # `fltune serve` put the fingerprint and route on the command line; the hook strips
+        # them from a process that serves vanilla, so its graphs are not cached under them
+        from . import hooks
+        hooks.install_load_model_hooks()
+    except Exception:
+        pass
     if strict:
         raise FltunePluginError(f"fltune ({where}, {ENV_STRICT}=1): refusing to start: "
                                 f"{exc}") from exc
@@ -419,7 +434,8 @@ def apply(settings: Settings) -> Optional[Plan]:
 
         ops.set_plan(plan)
         if plan.routed:
-            ops.register_layers()
+            # narrowed to the routes the compile mode keeps in before_load_model
+            ops.register_layers(plan.routed)
         hooks.install_load_model_hooks()
     except Exception as e:
         fail(e, settings, "loading the manifest")

@@ -98,7 +98,7 @@ def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str],
             if not isinstance(extra, dict):
                 raise ServeError(f"--additional-config must be a JSON object: {raw!r}")
         extra[plugin.ADDITIONAL_CONFIG_KEY] = fingerprint
-        extra[plugin.ROUTE_CONFIG_KEY] = route
+        extra[plugin.ROUTE_CONFIG_KEY] = plugin.route_key(route)
         new = ["--additional-config", json.dumps(extra, sort_keys=True)]
         args = args[:idx[0]] + new + args[idx[1]:] if idx else args + new
     return [sys.executable, "-m", VLLM_SERVER_MODULE] + args
@@ -110,11 +110,17 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     env = dict(os.environ if environ is None else environ)
     for k in (plugin.ENV_MANIFEST, plugin.ENV_DB, plugin.ENV_STRICT):
         env.pop(k, None)
+    route = (env.get(plugin.ENV_ROUTE) or "auto").strip().lower()
     try:
+        if route not in plugin.ROUTE_MODES:
+            raise plugin.FltunePluginError(
+                f"{plugin.ENV_ROUTE}={route!r} is not one of {', '.join(plugin.ROUTE_MODES)}; "
+                f"unset it for the default (auto)")
         manifest, manifest_file, source = resolve(manifest_or_db_path, strict)
         device_type, cap = _device_facts()
         plan = plugin.build_plan(manifest, source, device_type=device_type, capability=cap,
-                                 strict=strict, exact_device=True)
+                                 strict=strict, exact_device=True,
+                                 settings=plugin.Settings(manifest=manifest_file, route=route))
     except Exception as e:
         if strict:
             raise ServeError(f"fltune serve --strict: refusing to start: "
@@ -128,7 +134,6 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     if strict:
         env[plugin.ENV_STRICT] = "1"
     print(plugin.plan_table(plan), file=out, flush=True)
-    route = (env.get(plugin.ENV_ROUTE) or "auto").strip().lower()
     return vllm_argv(vllm_args, plan.fingerprint, route), env, plan
 
 
