@@ -3,7 +3,8 @@
     python benchmarks/e2e_ab.py --profile Qwen3-0.6B --out DIR \
         --arm vanilla --arm fl=fl.json:all --arm calibrated=m.json:auto
 
-Each arm is one server process on 127.0.0.1, all started at once and alive together:
+Each arm is one server process on 127.0.0.1, started one after another (``--concurrent-start``:
+all at once) and alive together:
 ``vanilla`` is vLLM's own server with no fltune (its default compile, custom ops off);
 ``NAME=MANIFEST:ROUTE`` is ``fltune serve --manifest MANIFEST`` (``--db`` for a ``.db``) with
 ``FLTUNE_ROUTE=ROUTE``
@@ -147,8 +148,17 @@ def one_request(port: int, model: str, batch: int, a) -> tuple:
     r = http(port, "/v1/completions", body)
     dt = time.perf_counter() - t0
     toks = r["usage"]["completion_tokens"]
-    outs = [c.get("token_ids") or [] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    outs = [list(c.get("token_ids") or []) for c in sorted(r["choices"], key=lambda c: c["index"])]
     return toks / dt, toks, dt, outs
+
+
+def outputs_digest(outs: list) -> dict:
+    """What the token comparison rests on, kept in the JSON so it can be audited: how many
+    prompts returned their full token ids, and a hash of all of them."""
+    import hashlib
+
+    return {"prompts": len(outs), "lengths": sorted({len(o) for o in outs}),
+            "sha256": hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:16]}
 
 
 def main():
@@ -222,6 +232,7 @@ def main():
                                            "tok_per_s": round(tps, 1), "tokens": toks,
                                            "seconds": round(dt, 4)})
                     outputs[(name, b)] = outs
+                    doc["samples"][-1]["outputs"] = outputs_digest(outs)
                     print(f"  rep {rep} batch {b:>3} {name:<12} {tps:9.1f} tok/s", flush=True)
         summary = {}
         for name in names:
@@ -237,8 +248,13 @@ def main():
                 s["vs_" + base] = round(s["median_tok_per_s"]
                                         / summary[base][str(b)]["median_tok_per_s"], 3)
                 ref, got = outputs.get((base, b)), outputs.get((name, b))
+                # only prompts that returned all their tokens count: a server that ignores
+                # return_token_ids gives [] for every prompt, which must not read as a match
+                pairs = [(x, y) for x, y in zip(ref or [], got or [])
+                         if len(x) == a.max_tokens and len(y) == a.max_tokens]
                 s["same_tokens_as_" + base] = (
-                    sum(x == y for x, y in zip(ref, got)) / len(ref) if ref else None)
+                    sum(x == y for x, y in pairs) / len(pairs) if pairs else None)
+                s["prompts_compared"] = len(pairs)
         doc["summary"] = summary
     finally:
         for p in procs.values():
@@ -251,7 +267,7 @@ def main():
                 os.killpg(p.pid, signal.SIGKILL)
         for name in doc["arms"]:
             cs = {}
-            for f in glob.glob(os.path.join(a.out, f"counters-{a.profile}-{name}-*.json")):
+            for f in glob.glob(os.path.join(a.out, f"counters-{a.profile}-{name}-[0-9]*.json")):
                 with open(f) as fh:
                     cs[os.path.basename(f)] = json.load(fh)
             if cs:

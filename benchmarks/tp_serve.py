@@ -70,7 +70,7 @@ def main():
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         r = http(a.port, "/v1/completions", body)
         doc["completion_tokens"] = r["usage"]["completion_tokens"]
-        doc["first_tokens"] = [c.get("token_ids", [])[:8] for c in r["choices"]]
+        doc["first_tokens"] = [(c.get("token_ids") or [])[:8] for c in r["choices"]]
         time.sleep(3)                                # the counter files are rewritten each second
     finally:
         if p.poll() is None:
@@ -88,13 +88,15 @@ def main():
                 "additional_config", "compiled_with_inductor")}
             os.remove(f)
         doc["ranks"] = ranks
-        fps = {r["fingerprint"] for r in ranks.values()}
-        doc["ranks_agree"] = len(ranks) >= a.tp and len(fps) == 1
+        seen = {(r["fingerprint"], json.dumps(r.get("routed"), sort_keys=True))
+                for r in ranks.values()}
+        doc["ranks_agree"] = len(ranks) >= a.tp and len(seen) == 1
         doc["log_tail"] = [ln.rstrip() for ln in open(log, errors="replace")
                            if "fltune" in ln or "Error" in ln][-30:]
         with open(os.path.join(a.out, f"tp-{a.profile}.json"), "w") as f:
             json.dump(doc, f, indent=1)
-        os.remove(log)
+        if doc.get("completion_tokens"):
+            os.remove(log)          # kept when the run failed: the error message names it
     print(json.dumps({k: doc.get(k) for k in ("ready_s", "completion_tokens", "ranks_agree")}))
     print(json.dumps(doc["ranks"], indent=1)[:3000])
 
