@@ -322,11 +322,7 @@ def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     settings = settings or BenchSettings()
     workload = derive(model, tp=tp, dtype=dtype)
     if ops:
-        unknown = set(ops) - {i.op for i in workload.items}
-        if unknown:
-            raise DBError(f"--ops {','.join(sorted(unknown))}: not in {workload.model}'s "
-                          f"workload ({', '.join(sorted({i.op for i in workload.items}))})")
-        workload.items = [i for i in workload.items if i.op in ops]
+        workload.restrict(ops)
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
     band_list = bands(max_tokens)
     manager = manager or get_default_manager()

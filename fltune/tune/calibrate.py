@@ -18,7 +18,7 @@ from ..store import CalibrationDB
 from .adjudicate import Settings, adjudicate, rows_for_db
 from .bands import DEFAULT_MAX_TOKENS, bands
 from .worker import WorkerPool
-from .workload import ModelConfigError, Workload, derive
+from .workload import Workload, derive
 
 
 @dataclass
@@ -56,12 +56,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     settings = settings or Settings()
     workload = derive(model, tp=tp, dtype=dtype)       # validates before anything is written
     if ops:
-        have = sorted({i.op for i in workload.items})
-        unknown = sorted(set(ops) - set(have))
-        if unknown:
-            raise ModelConfigError(f"--ops {','.join(unknown)}: not in {workload.model}'s "
-                                   f"workload ({', '.join(have)}); nothing was written")
-        workload.items = [i for i in workload.items if i.op in ops]
+        workload.restrict(ops)
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
     band_list = bands(max_tokens)
     registry = (manager or OpManager()).registry

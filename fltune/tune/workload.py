@@ -58,6 +58,16 @@ class Workload:
     dtype: str
     items: list
 
+    def restrict(self, ops) -> None:
+        """Keep only the items of ``ops`` (calibrate/bench ``--ops``). An op the model does
+        not run is refused before any work, so a typo never yields a silent empty run."""
+        have = sorted({i.op for i in self.items})
+        unknown = sorted(set(ops) - set(have))
+        if unknown:
+            raise ModelConfigError(f"--ops {','.join(unknown)}: not in {self.model}'s "
+                                   f"workload ({', '.join(have)}); nothing was written")
+        self.items = [i for i in self.items if i.op in ops]
+
     def as_dict(self):
         return {"model": self.model, "tp": self.tp, "dtype": self.dtype,
                 "items": [{"op": i.op, "signature": i.signature, "dims": i.dims_dict,
