@@ -61,6 +61,13 @@ ROUTE_CONFIG_KEY = "fltune_route"
 ROUTE_RULE = "decode-mix-vs-launch-floor/1"
 
 
+def check_route(mode: str) -> None:
+    """Raise if ``mode`` is not a FLTUNE_ROUTE value (the plugin and `fltune serve` both ask)."""
+    if mode not in ROUTE_MODES:
+        raise FltunePluginError(f"{ENV_ROUTE}={mode!r} is not one of {', '.join(ROUTE_MODES)}; "
+                                f"unset it for the default (auto)")
+
+
 def route_key(mode: str) -> str:
     """The value keyed under ROUTE_CONFIG_KEY: the mode and the rule's version."""
     return f"{mode}:{ROUTE_RULE}"
@@ -414,10 +421,7 @@ def fail(exc: BaseException, settings: Optional[Settings], where: str) -> None:
 def apply(settings: Settings) -> Optional[Plan]:
     """Load, check and install the plan for this process; see the module docstring."""
     try:
-        if settings.route not in ROUTE_MODES:
-            raise FltunePluginError(f"{ENV_ROUTE}={settings.route!r} is not one of "
-                                    f"{', '.join(ROUTE_MODES)}; unset it for the default "
-                                    f"(auto)")
+        check_route(settings.route)
         manifest, source = resolve_manifest(settings)
         device_type, cap = this_device()
         # the exact device check touches the device: here only where that is harmless

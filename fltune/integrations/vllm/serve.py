@@ -112,10 +112,7 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
         env.pop(k, None)
     route = (env.get(plugin.ENV_ROUTE) or "auto").strip().lower()
     try:
-        if route not in plugin.ROUTE_MODES:
-            raise plugin.FltunePluginError(
-                f"{plugin.ENV_ROUTE}={route!r} is not one of {', '.join(plugin.ROUTE_MODES)}; "
-                f"unset it for the default (auto)")
+        plugin.check_route(route)
         manifest, manifest_file, source = resolve(manifest_or_db_path, strict)
         device_type, cap = _device_facts()
         plan = plugin.build_plan(manifest, source, device_type=device_type, capability=cap,
