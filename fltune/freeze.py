@@ -31,7 +31,7 @@ from . import device as devmod
 from .dispatch.frozen import MANIFEST_FORMAT, ManifestError, fingerprint_of
 from .dispatch.policy import SelectionPolicy
 from .ops import get_op
-from .store import CalibrationDB, DBError, resolve_device
+from .store import CalibrationDB, DBError, band_key, resolve_device
 from .tune.bands import BAND_RULE
 
 log = logging.getLogger("fltune.freeze")
@@ -96,8 +96,11 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                     warnings.append(msg)
         overrides = []
         rows = []
+        # one read of the device's measurements serves the FL picks, the native compiled
+        # times and the launch floor below
+        by_band = db.measurements_by_band(dev["device_key"], dev["driver"])
         if order == "fl":
-            winners = _fl_rows(db, dev, winners, policy, registry)
+            winners = _fl_rows(by_band, winners, policy, registry)
         for w in winners:
             impl_ok = _permitted(w, policy)
             if not impl_ok:
@@ -123,19 +126,16 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         # measured with the software stack the winners were: an older stack's rows are not
         # evidence about this one
         stack_keys = set(stacks)
-        native = {(m["op"], m["signature"], m["dtype"], m["band_hi"]): m["median_us"]
-                  for m in db.measurements(dev["device_key"], dev["driver"],
-                                           impl_id=NATIVE_COMPILED, outcome="timed")
-                  if m.get("stack_key") in stack_keys}
+        timed = [m for ms in by_band.values() for m in ms
+                 if m["outcome"] == "timed" and m.get("stack_key") in stack_keys]
+        native = {band_key(m): m["median_us"] for m in timed if m["impl_id"] == NATIVE_COMPILED}
         # refined edges (``fltune refine``) move the boundary between two measured winners;
         # the fixed FL order's bands are not what was refined, so they keep the band edges
         crossovers = ({(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
                        for c in db.crossovers(dev["device_key"], dev["driver"])}
                       if order == "measured" else {})
         ops = _tables(rows, registry, native, crossovers)
-        floor = min((m["median_us"] for m in db.measurements(
-            dev["device_key"], dev["driver"], outcome="timed")
-            if m.get("stack_key") in stack_keys and m["median_us"]), default=None)
+        floor = min((m["median_us"] for m in timed if m["median_us"]), default=None)
         manifest = {
             "format": MANIFEST_FORMAT,
             "device": {k: dev[k] for k in ("device_key", "device_type", "name", "capability",
@@ -163,7 +163,7 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         db.close()
 
 
-def _fl_rows(db, dev, winners, policy, registry) -> list[dict]:
+def _fl_rows(by_band: dict, winners, policy, registry) -> list[dict]:
     """The winner rows rewritten to the fixed FL order's pick in each band (kept as the
     measured winner where FL's pick was never timed, e.g. it failed parity, so that the
     baseline never serves an implementation known to be wrong)."""
@@ -173,8 +173,7 @@ def _fl_rows(db, dev, winners, policy, registry) -> list[dict]:
     registry = registry or get_default_manager().registry
     out = []
     for w in winners:
-        ms = db.measurements(dev["device_key"], dev["driver"], op=w["op"],
-                             signature=w["signature"], dtype=w["dtype"], band_hi=w["band_hi"])
+        ms = by_band.get(band_key(w))
         fl = fl_pick(ms, policy, registry) if ms else None
         if fl is not None and fl["impl_id"] == w["impl_id"]:
             out.append(w)

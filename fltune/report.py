@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Optional
 
 from .dispatch.policy import SelectionPolicy
-from .store import CalibrationDB, resolve_device
+from .store import CalibrationDB, band_key, resolve_device
 
 
 def fl_pick(measured: list[dict], policy: SelectionPolicy, registry):
@@ -39,16 +39,14 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
     try:
         dev = resolve_device(db, device)
         winners = db.winners(dev["device_key"], dev["driver"], op)
-        meas = db.measurements(dev["device_key"], dev["driver"], **({"op": op} if op else {}))
+        by_band = db.measurements_by_band(dev["device_key"], dev["driver"],
+                                          **({"op": op} if op else {}))
         runs = [r for r in db.runs(dev["device_key"]) if r["driver"] == dev["driver"]]
     finally:
         db.close()
-    by_band = defaultdict(list)
-    for m in meas:
-        by_band[(m["op"], m["signature"], m["dtype"], m["band_hi"])].append(m)
     rows = []
     for w in winners:
-        ms = by_band.get((w["op"], w["signature"], w["dtype"], w["band_hi"]), [])
+        ms = by_band.get(band_key(w), [])
         mine = next((m for m in ms if m["impl_id"] == w["impl_id"]), {})
         fl = fl_pick(ms, policy, registry) if ms else None
         fl_us = fl["median_us"] if fl and fl["outcome"] == "timed" else None

@@ -96,6 +96,11 @@ def _has_sqlite_header(p: Path) -> bool:
         return f.read(16) == b"SQLite format 3\x00"
 
 
+def band_key(row: dict) -> tuple:
+    """The band a measurement or winner row belongs to: (op, signature, dtype, band_hi)."""
+    return (row["op"], row["signature"], row["dtype"], row["band_hi"])
+
+
 class CalibrationDB:
     def __init__(self, path: str | os.PathLike, *, create: bool = True,
                  write: Optional[bool] = None):
@@ -266,6 +271,13 @@ class CalibrationDB:
             q += f" and {k}=?"
             args.append(v)
         return list(self.db.query(q + " order by op, signature, dtype, band_hi, impl_id", args))
+
+    def measurements_by_band(self, device_key: str, driver: str, **where) -> dict:
+        """:meth:`measurements` grouped by band: (op, signature, dtype, band_hi) -> rows."""
+        out: dict = {}
+        for m in self.measurements(device_key, driver, **where):
+            out.setdefault(band_key(m), []).append(m)
+        return out
 
     def runs(self, device_key: Optional[str] = None) -> list[dict]:
         if device_key:
