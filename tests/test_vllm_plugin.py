@@ -176,30 +176,17 @@ def test_fusion_verdict_keeps_small_decode_wins_native_when_compiled():
 
 @pytest.mark.parametrize("mode, routes_rms", [("compiled", False), ("eager", True)])
 def test_layers_follow_the_fusion_verdict_of_the_vllm_config(mode, routes_rms):
-    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, \
-        set_current_vllm_config
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from fltune.dispatch.frozen import freeze_dispatch
-    from fltune.integrations.vllm import ops
-
-    plugin = _plugin()
-    plugin._reset_for_tests()
-    manifest = fusion_manifest()
-    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
-    ops.register_layers()
-    freeze_dispatch(manifest)
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE if mode == "compiled"
                            else CompilationMode.NONE, backend="inductor")
-    try:
-        with set_current_vllm_config(VllmConfig(compilation_config=cc)):
-            assert plugin.compiled_with_inductor() is (mode == "compiled")
-            norm, act = RMSNorm(HIDDEN, eps=1e-6), SiluAndMul()
-        assert act.fltune_routes == {"silu_and_mul"}
-        assert norm.fltune_routes == ({"rms_norm"} if routes_rms else frozenset())
-    finally:
-        plugin._reset_for_tests()
+    with installed(fusion_manifest(), VllmConfig(compilation_config=cc)):
+        assert _plugin().compiled_with_inductor() is (mode == "compiled")
+        norm, act = RMSNorm(HIDDEN, eps=1e-6), SiluAndMul()
+    assert act.fltune_routes == {"silu_and_mul"}
+    assert norm.fltune_routes == ({"rms_norm"} if routes_rms else frozenset())
 
 
 def test_bad_route_mode_warns_or_refuses(monkeypatch, tmp_path, caplog):
@@ -336,9 +323,10 @@ def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
 # ---- in-process: the layer seams against vLLM's own layers ------------------------------
 
 @contextlib.contextmanager
-def installed(manifest):
+def installed(manifest, vllm_config=None):
     """The plan of ``manifest`` installed in this process as the plugin would: OOT layer
-    classes registered, dispatch frozen; undone afterwards."""
+    classes registered, dispatch frozen, inside ``vllm_config`` (default: vLLM's default
+    config); undone afterwards."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from fltune.dispatch.frozen import freeze_dispatch
@@ -351,7 +339,7 @@ def installed(manifest):
     freeze_dispatch(manifest)
     ops.reset_counters()
     try:
-        with set_current_vllm_config(VllmConfig()):
+        with set_current_vllm_config(vllm_config or VllmConfig()):
             yield ops
     finally:
         plugin._reset_for_tests()
@@ -868,14 +856,11 @@ def _counting_impl(op_name, calls):
 
 def test_gated_norm_and_mrope_seams_route_and_match_vllm():
     import torch
-    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, \
-        set_current_vllm_config
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
     from vllm.model_executor.layers.layernorm import RMSNormGated
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from fltune.dispatch.frozen import freeze_dispatch
     from fltune.dispatch.manager import get_default_manager
-    from fltune.integrations.vllm import ops
 
     calls = {}
     reg = get_default_manager().registry
@@ -887,21 +872,15 @@ def test_gated_norm_and_mrope_seams_route_and_match_vllm():
             table([HEAD_DIM], [band(1, BIG, "vendor.test")], rows_per_token=heads)]},
         "mrope": {"fallback": "vendor.test", "tables": [
             table([heads * head_dim], [band(1, BIG, "vendor.test")])]}})
-    plugin = _plugin()
-    plugin._reset_for_tests()
-    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
-    assert set(ops.current_plan().routed) == {"rms_norm_gated", "mrope"}
-    ops.register_layers()
-    freeze_dispatch(manifest)
     cc = CompilationConfig(mode=CompilationMode.NONE)
-    try:
-        with set_current_vllm_config(VllmConfig(compilation_config=cc)):
-            gated = RMSNormGated(HEAD_DIM, eps=1e-6, group_size=None, norm_before_gate=True,
-                                 activation="silu", dtype=torch.bfloat16)
-            rope = get_rope(head_dim, 512, rope_parameters={
-                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor":
-                rot / head_dim, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
-                dtype=torch.bfloat16)
+    with installed(manifest, VllmConfig(compilation_config=cc)) as ops:
+        assert set(ops.current_plan().routed) == {"rms_norm_gated", "mrope"}
+        gated = RMSNormGated(HEAD_DIM, eps=1e-6, group_size=None, norm_before_gate=True,
+                             activation="silu", dtype=torch.bfloat16)
+        rope = get_rope(head_dim, 512, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor":
+            rot / head_dim, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            dtype=torch.bfloat16)
         assert type(gated).__name__ == "FltuneRMSNormGated"
         assert gated.fltune_routes == {"rms_norm_gated"}
         assert type(rope).__name__ == "FltuneMRotaryEmbedding"
@@ -936,8 +915,6 @@ def test_gated_norm_and_mrope_seams_route_and_match_vllm():
                                  fullgraph=True)
         c_q, _ = compiled(pos, q.clone(), k.clone())
         torch.testing.assert_close(c_q.float(), want_q.float(), atol=2e-2, rtol=2e-2)
-    finally:
-        plugin._reset_for_tests()
 
 
 def test_tensor_parallel_ranks_serve_the_same_manifest(engines):
