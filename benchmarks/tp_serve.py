@@ -22,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from e2e_ab import http, prompts  # noqa: E402
+from e2e_ab import http, log_path, prompts, wait_ready  # noqa: E402
 from h200_serve import model_dir as make_model_dir  # noqa: E402
 
 
@@ -48,24 +48,18 @@ def main():
            "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization",
            str(a.gpu_mem), "--tensor-parallel-size", str(a.tp), "--host", "127.0.0.1",
            "--port", str(a.port), "--disable-log-stats", "--seed", "0"] + a.vllm_arg
-    log = os.path.join(a.out, f"server-{tag}.log")
+    name = f"tp{a.tp}"
+    log = log_path(a, name)
     doc = {"profile": a.profile, "tp": a.tp, "cmd": cmd}
-    t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                          start_new_session=True)
     try:
-        while time.time() - t0 < a.start_timeout:
-            if p.poll() is not None:
-                raise SystemExit(f"TP server exited with {p.returncode}; see {log}")
-            try:
-                if http(a.port, "/health", timeout=2) == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(2)
-        else:
-            raise SystemExit(f"TP server not ready after {a.start_timeout} s")
-        doc["ready_s"] = round(time.time() - t0, 1)
+        ready, failed = wait_ready({name: p}, {name: a.port}, a.start_timeout, a)
+        if failed:
+            doc["failed"] = failed[name]
+            why = failed[name].get("why") or f"exited with {failed[name]['returncode']}"
+            raise SystemExit(f"TP server did not start ({why}); see {log}")
+        doc["ready_s"] = ready[name]
         body = {"model": model, "prompt": prompts(4, 32), "max_tokens": 16,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
         r = http(a.port, "/v1/completions", body)
