@@ -7,6 +7,7 @@ variable from the outer environment leaks into a test (each test sets what it ne
 from __future__ import annotations
 
 import os
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -126,3 +127,11 @@ try:
         _hyp_settings.load_profile("ci")
 except ImportError:  # hypothesis is a dev dependency
     pass
+
+
+def copy_db(db, copy) -> sqlite3.Connection:
+    """A consistent copy of a calibration DB to edit (SQLite's online backup), open."""
+    src, dst = sqlite3.connect(db), sqlite3.connect(copy)
+    src.backup(dst)
+    src.close()
+    return dst

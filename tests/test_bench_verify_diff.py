@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, child_env, make_impl
+from conftest import REPO, child_env, copy_db, make_impl
 
 TINY = ["--model", "tiny-qwen3", "--max-tokens", "16"]
 OPS = "rms_norm,silu_and_mul"
@@ -32,13 +32,6 @@ def fltune(*args, rc=0):
         raise AssertionError(f"fltune {' '.join(args)} exited {p.returncode}, expected {rc}:\n"
                              f"{p.stderr[-3000:]}\n{p.stdout[-2000:]}")
     return p
-
-
-def copy_db(src, dst):
-    a, b = sqlite3.connect(src), sqlite3.connect(dst)
-    a.backup(b)
-    a.close()
-    return b
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from fltune.ops import get_op
 from fltune.tune import parity
 from fltune.tune.bands import bands
 
+from conftest import copy_db
+
 FAST = ["--budget", "0.003", "--quiet"]
 
 
@@ -30,14 +32,6 @@ def fltune(*args, check=True, **kw):
     if check and p.returncode != 0:
         raise AssertionError(f"fltune {' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return p
-
-
-def copy_db(db, copy) -> sqlite3.Connection:
-    """A consistent copy of the calibrated DB to edit (SQLite's online backup), open."""
-    src, dst = sqlite3.connect(db), sqlite3.connect(copy)
-    src.backup(dst)
-    src.close()
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,16 @@ def run_fltune(args, env=None, timeout=600):
                           text=True, timeout=timeout, env=e)
 
 
+#: loads tests/fixtures/bad_backends (the deliberately broken candidates) into fltune
+BAD_BACKENDS_ENV = {"FLTUNE_PLUGIN_MODULES": "fltune_bad_backends",
+                    "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 def test_crashing_and_hanging_candidates_are_refused_and_calibration_goes_on(tmp_path):
     db = str(tmp_path / "faults.db")
-    env = {"FLTUNE_PLUGIN_MODULES": "fltune_bad_backends",
-           "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     p = run_fltune(["calibrate", "--model", "tiny-qwen3", "--db", db, "--ops", "silu_and_mul",
                     "--max-tokens", "4", "--budget", "0.003", "--candidate-timeout", "45",
-                    "--quiet", "--json"], env=env)
+                    "--quiet", "--json"], env=BAD_BACKENDS_ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     n_bands = len(bands(4))
@@ -66,11 +69,9 @@ def test_candidate_that_corrupts_the_cuda_context_is_refused_and_calibration_goe
     memory access poisons its process's CUDA context; the supervised worker reports it,
     is replaced, and every other candidate still races in every band."""
     db = str(tmp_path / "cuda_fault.db")
-    env = {"FLTUNE_PLUGIN_MODULES": "fltune_bad_backends",
-           "PYTHONPATH": f"{FIXTURES}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     p = run_fltune(["calibrate", "--model", "tiny-qwen3", "--db", db, "--ops", "silu_and_mul",
                     "--device", "cuda", "--max-tokens", "64", "--candidate-timeout", "60",
-                    "--quiet", "--json"], env=env)
+                    "--quiet", "--json"], env=BAD_BACKENDS_ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout)
     assert res["measured"] == len(bands(64)) and res["worker_restarts"] >= 1
