@@ -114,14 +114,18 @@ def test_unknown_model_lists_profiles():
         derive("Qwen9-1T")
     msg = str(e.value)
     assert "Qwen9-1T" in msg
-    names = sorted(p.stem for p in (REPO / "calibrate" / "profiles").glob("*.json"))
+    names = sorted(p.stem for p in (REPO / "fltune" / "profiles").glob("*.json"))
     assert names == known_profiles()
+    # README lists the built-in names; the list stays in step with the package data
+    readme = (REPO / "README.md").read_text()
+    listed = readme.split("Built-in model profiles (", 1)[1].split("):", 1)[1].split(".\n", 1)[0]
+    assert sorted(n.strip() for n in listed.split(",")) == names
     assert {"Qwen3.5-0.8B", "Qwen3.5-4B", "Qwen3.5-9B"} <= set(names) and len(names) >= 5
     for name in names:
         assert name in msg
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in PROFILE_DIR.glob("*.json")))
+@pytest.mark.parametrize("name", known_profiles())
 def test_every_profile_derives_runnable_items(name):
     """Every built-in profile gives a workload whose dims the op contracts accept: inputs
     can be made and the reference runs on them."""

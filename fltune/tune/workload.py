@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from ..ops import dtype_from_name
 from ..ops.base import DTYPE_NAMES
 
-PROFILE_DIR = Path(os.environ.get("FLTUNE_PROFILES",
-                                  Path(__file__).resolve().parents[2] / "calibrate" / "profiles"))
+# Built-in model profiles ship inside the package (fltune/profiles/*.json, package data), so a
+# wheel install finds them as a source checkout does.
+PROFILE_DIR = resources.files("fltune") / "profiles"
 
 
 class ModelConfigError(ValueError):
@@ -76,7 +77,8 @@ class Workload:
 
 
 def known_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+    return sorted(p.name[:-len(".json")] for p in PROFILE_DIR.iterdir()
+                  if p.name.endswith(".json") and p.is_file())
 
 
 def load_config(model: str) -> tuple[str, dict]:
@@ -86,7 +88,7 @@ def load_config(model: str) -> tuple[str, dict]:
         p = p / "config.json"
     if p.is_file():
         src = str(p)
-    elif (PROFILE_DIR / f"{model}.json").is_file():
+    elif model in known_profiles():
         p, src = PROFILE_DIR / f"{model}.json", model
     else:
         raise ModelConfigError(f"unknown model {model!r}: not a built-in profile, a directory "
