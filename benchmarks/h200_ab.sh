@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end A/B on the H200: the same model config, vanilla vLLM then vLLM with the
 # calibrated manifest, in one call (vLLM staged, .whl carried; see h200_serve.sh).
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 P=${PROFILE:-Qwen3.5-0.8B}
 {
   python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out "$OUT/manifest.json"

@@ -9,7 +9,7 @@
 # (`fltune freeze --order fl`), every op routed | all: the calibrated manifest, every op it
 # picks routed | auto: `fltune serve --db` with the default FLTUNE_ROUTE=auto (ops kept native
 # where their decode win does not pay for the fusion they would lose).
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 P=${PROFILE:-Qwen3-0.6B}
 DB=db/NVIDIA-H200_driver-580.159.04.db
 ARMS=${ARMS:-"vanilla fl all auto"}

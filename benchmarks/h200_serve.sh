@@ -3,7 +3,7 @@
 # + fltune installed as a wheel (so vLLM finds the vllm.general_plugins entry point) from .whl.
 # Calibrates Qwen3-0.6B into a copy of the shipped H200 DB (Qwen3.5 is already in it), freezes,
 # then serves Qwen3.5-0.8B and Qwen3-0.6B configs with dummy weights through the plugin.
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 DB="$OUT/NVIDIA-H200_driver-580.159.04.db"
 cp db/NVIDIA-H200_driver-580.159.04.db "$DB"
 {

@@ -163,7 +163,7 @@ def _as_version_1(src, dst):
 
 
 def test_shipped_db_is_refined_and_freezes_with_its_edges():
-    """The shipped H200 DB carries the crossovers `benchmarks/h200_refine.sh` measured;
+    """The shipped H200 DB carries the crossovers `calibrate/recipes/h200_refine.sh` measured;
     freezing applies them (and `--order fl` does not)."""
     shipped = _digest(H200_DB)
     db = CalibrationDB(H200_DB, create=False)

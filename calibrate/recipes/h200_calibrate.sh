@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 evidence run (device tool; see ../shared/device/README.md). Carry .whl.
-#   run: bash benchmarks/h200_calibrate.sh   (with vLLM staged: PYTHONPATH=/tmp/vsite, see ../shared/device/stage-vllm.sh)
+#   run: bash calibrate/recipes/h200_calibrate.sh   (with vLLM staged: PYTHONPATH=/tmp/vsite, see ../shared/device/stage-vllm.sh)
 # Writes under $OUT: candidates.json, gpu_parity.json, the calibration DB (cold + warm run
 # times), the manifest and the report (text + JSON), and the log.
 source "$(dirname "$0")/device_env.sh"
