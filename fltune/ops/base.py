@@ -18,6 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .layouts import clone_keeping_layout
+
 #: Per-dtype relative tolerance, FlagGems' table (tests/accuracy_utils.py), used as both
 #: rtol and atol scale: an element passes when |out - ref| <= atol + rtol * |ref|.
 RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1.3e-6}
@@ -72,6 +74,10 @@ class OpSpec:
     #: (KeyError 'bufN' in torch 2.13), so the inductor backend compiles this form and
     #: copies the results back outside the compiled graph
     functional: Optional[Callable[..., Any]] = None
+    #: the argument layouts vLLM passes this op in serving (``ops/layouts.py``): per-head
+    #: views, column slices, padded rows, mixed dtypes. Every candidate's parity is also
+    #: checked on each, so a kernel that is right only on packed inputs cannot win.
+    layouts: tuple = ()
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""
@@ -87,11 +93,12 @@ def _fmt(v) -> str:
 
 
 def clone_args(args: list) -> list:
-    """Deep-enough copy of a call's arguments: every tensor cloned, scalars shared.
+    """Deep-enough copy of a call's arguments: every tensor cloned (keeping its strides,
+    offset and surrounding memory, see ``layouts.clone_keeping_layout``), scalars shared.
 
     Parity and timing run every candidate on its own clones, so an in-place candidate
-    cannot corrupt the inputs the next candidate sees."""
-    return [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    cannot corrupt the inputs the next candidate sees, and a strided view stays one."""
+    return [clone_keeping_layout(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def upcast_args(args: list, dtype: torch.dtype) -> list:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpSpec, normal
+from .layouts import (column_slice, fp32_arg, heads_from_rows, padded_rows, per_head,
+                      split_of_one_buffer)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -123,33 +125,45 @@ def _bytes(tensors_per_row):
 
 _QWEN35_HIDDEN = {"hidden": 1024, "eps": 1e-6}
 
+#: q/k norms get per-head views of the qkv buffer, other norms column slices or padded rows
+_NORM_LAYOUTS = (padded_rows(0), column_slice(0), per_head(0, heads_from_rows(2)),
+                 fp32_arg(1))
+_ADD_NORM_LAYOUTS = (padded_rows(0, 1), column_slice(0), fp32_arg(2))
+#: Qwen3.5's GDN norm: x and z are slices of one projection output
+_GATED_NORM_LAYOUTS = (split_of_one_buffer(0, 1), padded_rows(0, 1), fp32_arg(2))
+
 RMS_NORM = OpSpec(
     name="rms_norm", reference=rms_norm_ref, make_inputs=_norm_inputs,
     outputs=lambda args, ret: [ret], bytes_moved=_bytes(2),
-    default_dims=dict(_QWEN35_HIDDEN), doc="RMSNorm: x * rsqrt(mean(x^2)+eps) * w")
+    default_dims=dict(_QWEN35_HIDDEN), layouts=_NORM_LAYOUTS,
+    doc="RMSNorm: x * rsqrt(mean(x^2)+eps) * w")
 
 FUSED_ADD_RMS_NORM = OpSpec(
     name="fused_add_rms_norm", reference=fused_add_rms_norm_ref, make_inputs=_add_inputs,
     outputs=lambda args, ret: [args[0], args[1]], bytes_moved=_bytes(4), mutates=(0, 1),
     functional=fused_add_rms_norm_functional,
-    default_dims=dict(_QWEN35_HIDDEN), doc="in place: residual += x; x = rms_norm(residual)")
+    default_dims=dict(_QWEN35_HIDDEN), layouts=_ADD_NORM_LAYOUTS,
+    doc="in place: residual += x; x = rms_norm(residual)")
 
 GEMMA_RMS_NORM = OpSpec(
     name="gemma_rms_norm", reference=gemma_rms_norm_ref, make_inputs=_gemma_inputs,
     outputs=lambda args, ret: [ret], bytes_moved=_bytes(2),
-    default_dims=dict(_QWEN35_HIDDEN), doc="Gemma/Qwen3.5 RMSNorm: scale by (1 + w)")
+    default_dims=dict(_QWEN35_HIDDEN), layouts=_NORM_LAYOUTS,
+    doc="Gemma/Qwen3.5 RMSNorm: scale by (1 + w)")
 
 GEMMA_FUSED_ADD_RMS_NORM = OpSpec(
     name="gemma_fused_add_rms_norm", reference=gemma_fused_add_rms_norm_ref,
     make_inputs=lambda n, d, t, dev, g: _add_inputs(n, d, t, dev, g, gemma=True),
     outputs=lambda args, ret: list(ret), bytes_moved=_bytes(4),
-    default_dims=dict(_QWEN35_HIDDEN), doc="Gemma RMSNorm with residual add, out of place")
+    default_dims=dict(_QWEN35_HIDDEN), layouts=_ADD_NORM_LAYOUTS,
+    doc="Gemma RMSNorm with residual add, out of place")
 
 RMS_NORM_GATED = OpSpec(
     name="rms_norm_gated", reference=rms_norm_gated_ref, make_inputs=_gated_inputs,
     outputs=lambda args, ret: [ret], bytes_moved=_bytes(3),
     default_dims={"hidden": 128, "rows_per_token": 16, "eps": 1e-6, "group_size": 0,
                   "norm_before_gate": True},
+    layouts=_GATED_NORM_LAYOUTS,
     doc="gated-delta-net output norm: rmsnorm(x) * w * silu(z)")
 
 SPECS = [RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .base import OpSpec, normal
+from .layouts import padded_rows, split_of_one_buffer
 
 
 def _acc(x):
@@ -118,19 +119,23 @@ def _bytes(n, dims, dtype):
     return (2 * n * heads * rot + n * rot) * e + n * 8
 
 
+#: q and k are column slices of the fused qkv output (``qkv.split``), v right after them
+_ROPE_LAYOUTS = (split_of_one_buffer(1, 2), padded_rows(1, 2))
+
 _QWEN35_ROPE = {"heads": 8, "kv_heads": 2, "head_size": 256, "rotary_dim": 64,
                 "max_position": 8192, "base": 1e7}
 
 ROTARY_EMBEDDING = OpSpec(
     name="rotary_embedding", reference=rotary_embedding_ref, make_inputs=_rope_inputs,
     outputs=lambda args, ret: [args[1], args[2]], bytes_moved=_bytes, mutates=(1, 2), key_arg=1,
-    default_dims={**_QWEN35_ROPE, "is_neox": True},
+    default_dims={**_QWEN35_ROPE, "is_neox": True}, layouts=_ROPE_LAYOUTS,
     doc="in-place rope on query/key, NeoX or GPT-J style, partial rotary_dim")
 
 MROPE = OpSpec(
     name="mrope", reference=mrope_ref, make_inputs=_mrope_inputs,
     outputs=lambda args, ret: [args[1], args[2]], bytes_moved=_bytes, mutates=(1, 2), key_arg=1,
     default_dims={**_QWEN35_ROPE, "mrope_section": (11, 11, 10), "interleaved": True},
+    layouts=_ROPE_LAYOUTS,
     doc="Qwen3.5 interleaved 3-section multimodal rope, in place")
 
 SPECS = [ROTARY_EMBEDDING, MROPE]

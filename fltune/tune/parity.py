@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..ops.base import ATOL_SCALE, RTOL, OpSpec, clone_args, upcast_args
+from ..ops.layouts import outside_view_changed
 
 PARITY_FLOOR = 0.99
 
@@ -30,6 +31,9 @@ class ParityResult:
     max_abs_error: float
     passed: bool
     reason: Optional[str] = None  # why it failed (NaN, shape, mutated input, raised, ...)
+    #: serving layouts checked (``check_layouts``): name -> "ok" | "declared unsupported:
+    #: <why>" | the failure; empty when only the tidy inputs were checked
+    layouts: dict = None
 
     def as_dict(self):
         return {"score": self.score, "rel_error": self.rel_error,
@@ -64,6 +68,12 @@ def check(spec: OpSpec, fn, args: list, dtype: torch.dtype, *,
         return ParityResult(0.0, float("inf"), float("inf"), False,
                             f"returned {len(outs)} outputs, expected {len(ref)}")
     for i, (a, b) in enumerate(zip(args, call_args)):
+        # no candidate may touch memory around a view it was given (the rest of a qkv
+        # buffer, a padded row's tail): that is another tensor's data in serving
+        if isinstance(a, torch.Tensor) and outside_view_changed(a, b):
+            return ParityResult(0.0, float("inf"), float("inf"), False,
+                                f"wrote outside its view of argument {i} (shape "
+                                f"{tuple(a.shape)}, strides {tuple(a.stride())})")
         # only the arguments the op documents as in-place may change (none for pure ops):
         # vLLM's callers reuse weights, caches and positions across calls
         if i not in spec.mutates and isinstance(a, torch.Tensor) and not torch.equal(a, b):
@@ -97,3 +107,67 @@ def check(spec: OpSpec, fn, args: list, dtype: torch.dtype, *,
     passed = score >= floor
     return ParityResult(score, rel, max_abs, passed,
                         None if passed else f"parity {score:.4f} below floor {floor}")
+
+
+#: tokens of the small inputs the serving layouts are checked on: even (per-head views
+#: group rows), several rows, cheap enough to check every candidate of every shape
+LAYOUT_TOKENS = 6
+
+_layout_cache: dict = {}
+
+
+def check_layouts(spec: OpSpec, impl, dims: dict, dtype: torch.dtype, device,
+                  floor: float = PARITY_FLOOR) -> ParityResult:
+    """Parity of ``impl`` on every serving layout of ``spec`` (``OpSpec.layouts``).
+
+    A layout the candidate declares it does not take (``OpImpl.supports``) is skipped:
+    dispatch never gives it such a call. Every other layout must pass like the tidy
+    inputs, and nothing outside a view may change. Checked once per (op, shape, dtype,
+    candidate, device) in a process: whether a kernel honours strides does not depend on
+    the token count, and compiling candidates (Inductor) recompile per layout."""
+    # keyed by the function itself (held, so its identity cannot be reused), not only the
+    # id: two candidates may share an id across registries
+    key = (spec.name, spec.signature(dims), dtype, impl.impl_id, impl.fn, str(device))
+    hit = _layout_cache.get(key)
+    if hit is not None:
+        return hit
+    gen = torch.Generator().manual_seed(1)
+    tidy = spec.make_inputs(LAYOUT_TOKENS, dims, dtype, str(device), gen)
+    seen, worst = {}, None
+    for layout in spec.layouts:
+        if not layout.applies(tidy):
+            continue
+        args = layout.build(tidy)
+        why = impl.unsupported(args)
+        if why is not None:
+            seen[layout.name] = f"declared unsupported: {why}"
+            continue
+        p = check(spec, impl.fn, args, dtype, floor=floor)
+        seen[layout.name] = "ok" if p.passed else p.reason
+        if not p.passed and worst is None:
+            # a raise keeps its prefix: the race records it as refused, not as wrong
+            what = "raised on" if p.reason.startswith("raised") else "wrong on"
+            worst = ParityResult(p.score, p.rel_error, p.max_abs_error, False,
+                                 f"{what} serving layout {layout.name} ({layout.doc}): "
+                                 f"{p.reason}")
+    result = worst or ParityResult(1.0, 0.0, 0.0, True)
+    result.layouts = seen
+    _layout_cache[key] = result
+    return result
+
+
+def check_candidate(spec: OpSpec, impl, args: list, dims: dict, dtype: torch.dtype, *,
+                    reference: Optional[list] = None,
+                    floor: float = PARITY_FLOOR) -> ParityResult:
+    """The race's parity: the tidy inputs first (their score and error are the ones the
+    precision tiebreak compares), then the serving layouts. A candidate that is right only
+    on packed inputs fails here with the layout named, however fast it is."""
+    p = check(spec, impl.fn, args, dtype, reference=reference, floor=floor)
+    if not p.passed or not spec.layouts:
+        return p
+    lay = check_layouts(spec, impl, dims, dtype, args_device(args), floor)
+    if not lay.passed:
+        return ParityResult(p.score, p.rel_error, p.max_abs_error, False, lay.reason,
+                            lay.layouts)
+    p.layouts = lay.layouts
+    return p
