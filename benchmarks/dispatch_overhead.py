@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from fltune import device as devmod
+from fltune.store import device as devmod
 from fltune.dispatch.frozen import (MANIFEST_FORMAT, FrozenDispatch, fingerprint_of,
                                    freeze_dispatch, thaw_dispatch)
 from fltune.dispatch.manager import OpManager, get_default_manager

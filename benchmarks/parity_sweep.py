@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from fltune import device as devmod
+from fltune.store import device as devmod
 from fltune.dispatch import get_default_manager
 from fltune.dispatch.types import QualifyContext
 from fltune.ops import OPS, dtype_from_name

@@ -60,7 +60,7 @@ def edited(calibrated, tmp_path_factory):
 
 
 def test_bench_json_has_manifest_fl_oracle_per_band(calibrated, tmp_path):
-    from fltune.bench import render
+    from fltune.cli.render import render_bench as render
     from fltune.freeze import build_manifest
     from fltune.tune.bands import bands
 
@@ -131,7 +131,7 @@ def test_verify_clean_right_after_calibrating(calibrated):
 def test_verify_flags_an_edited_winner_and_exits_1(edited):
     from rich.console import Console
 
-    from fltune.verify import render
+    from fltune.cli.render import render_verify as render
 
     path, e = edited
     p = fltune("verify", "--db", path, "--ops", "silu_and_mul", "--noise-floor", "9", *FAST,
@@ -206,7 +206,7 @@ def test_diff_two_devices_of_one_db(calibrated, tmp_path):
 
 def _verify_one(monkeypatch, winner_db_us, now, *, runner_db_us=10.0, noise_floor=0.1,
                 margin=0.03, db_noise=0.01):
-    from fltune import verify
+    from fltune.evaluate import verify
     from fltune.dispatch.registry import OpRegistry
     from fltune.ops import get_op
     from fltune.tune import timing
@@ -219,12 +219,12 @@ def _verify_one(monkeypatch, winner_db_us, now, *, runner_db_us=10.0, noise_floo
     def fake(calls, device, **kw):
         return {k: timing.Timing(now[k], now[k] * 0.99, now[k] * 1.01, 15, {"timer": "fake"})
                 for k in calls}
-    monkeypatch.setattr(verify.timing, "time_candidates", fake)
+    monkeypatch.setattr(timing, "time_candidates", fake)
     w = {"op": "silu_and_mul", "signature": "intermediate=8", "dims": '{"intermediate": 8}',
          "dtype": "bf16", "band_lo": 3, "band_hi": 4, "impl_id": "w.impl",
          "median_us": winner_db_us, "runner_up": "r.impl", "runner_up_us": runner_db_us,
          "noise": db_noise}
-    return verify.verify_band(w, {}, reg, "cpu", None, margin=margin, noise_floor=noise_floor,
+    return verify.verify_band(w, {}, reg, "cpu", margin=margin, noise_floor=noise_floor,
                               reps=0, budget_s=0.001, graph_calls=1)
 
 

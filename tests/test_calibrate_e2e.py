@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fltune.dispatch import freeze_dispatch, get_default_manager, thaw_dispatch
-from fltune.dispatch.frozen import fingerprint_of
+from fltune.dispatch.manifest import fingerprint_of
 from fltune.freeze import build_manifest
 from fltune.ops import get_op
 from fltune.tune import parity

@@ -41,7 +41,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fltune.cli import main
+from fltune.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DIR = REPO / "tests" / "fixtures" / "tiny_qwen3"

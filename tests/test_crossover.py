@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fltune import device as devmod
+from fltune.store import device as devmod
 from fltune.dispatch.frozen import FrozenDispatch
 from fltune.freeze import build_manifest
 from fltune.ops import get_op
-from fltune.store import SCHEMA_VERSION, CalibrationDB, _migrate_0_to_1
+from fltune.store.db import SCHEMA_VERSION, CalibrationDB, _migrate_0_to_1
 from fltune.tune import crossover
 from fltune.tune.bands import bands
 from fltune.tune.crossover import Probe, ProbeFailed, find_edge, oracle_gap, tolerance

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from fltune import report
+from fltune.cli.render import render_report
+from fltune.evaluate import report
 from fltune.freeze import build_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +77,6 @@ def test_report_names_every_model_the_db_holds():
     rep = report.build(H200_DB, device="NVIDIA")
     assert {m["model"] for m in rep["models"]} == {"Qwen3.5-0.8B", "Qwen3-0.6B"}
     buf = io.StringIO()
-    report.render(rep, Console(file=buf, width=200))
+    render_report(rep, Console(file=buf, width=200))
     header = buf.getvalue().splitlines()[:3]
     assert any("Qwen3.5-0.8B" in ln and "Qwen3-0.6B" in ln for ln in header), header

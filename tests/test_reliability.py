@@ -136,7 +136,7 @@ def test_four_concurrent_calibrations_and_readers(tmp_path):
 def test_edited_manifest_and_other_device_manifest_refused(tmp_path):
     """A manifest edited after freezing, and one for another device: clear errors naming the
     file, nothing overwritten."""
-    from fltune.dispatch.frozen import ManifestError, load_manifest
+    from fltune.dispatch.manifest import ManifestError, load_manifest
     from fltune.freeze import check_device
 
     db = str(tmp_path / "m.db")
@@ -183,12 +183,12 @@ def test_band_too_big_for_memory_is_refused_not_crashed(monkeypatch):
     import torch
 
     from fltune.dispatch import get_default_manager
-    from fltune.tune import adjudicate as adj
+    from fltune.tune import race as adj
     from fltune.tune.bands import Band
 
     monkeypatch.setattr(adj, "_free_memory", lambda device: 1 << 20)     # 1 MiB "free"
     impls = get_default_manager().registry.get_implementations("silu_and_mul")
-    v = adj.adjudicate("silu_and_mul", {"intermediate": 3584}, torch.bfloat16, Band(513, 1024),
+    v = adj.race("silu_and_mul", {"intermediate": 3584}, torch.bfloat16, Band(513, 1024),
                        impls, adj.Settings(device="cpu"))
     assert v.winner is None
     assert {o.outcome for o in v.outcomes} == {"refused"}

@@ -9,9 +9,9 @@ import sqlite3
 
 import pytest
 
-from fltune import device as devmod
-from fltune.store import (BUSY_TIMEOUT_MS, SCHEMA_VERSION, CalibrationDB, DBError,
-                          MEASUREMENT_KEY, WINNER_KEY)
+from fltune.store import device as devmod
+from fltune.store.db import (BUSY_TIMEOUT_MS, SCHEMA_VERSION, CalibrationDB, DBError,
+                             MEASUREMENT_KEY, WINNER_KEY)
 
 DEVICE = {"device_key": "cpu0123456789abc", "device_type": "cpu", "name": "Test CPU",
           "capability": "AVX2", "sms": 2, "memory_bytes": 8 << 30, "driver": "linux 6.0",

@@ -59,7 +59,7 @@ def table(trailing, bands, dtype="bf16", rows_per_token=1):
 
 def this_cpu():
     """This machine's device record and driver, as ``fltune freeze`` writes them."""
-    from fltune import device as devmod
+    from fltune.store import device as devmod
 
     rec = devmod.current("cpu")
     keys = ("device_key", "device_type", "name", "capability", "sms", "memory_bytes")
@@ -68,7 +68,7 @@ def this_cpu():
 
 def make_manifest(ops, device=None, driver=None):
     """A manifest as ``fltune freeze`` would write it (default: for this very CPU)."""
-    from fltune.dispatch.frozen import MANIFEST_FORMAT, fingerprint_of
+    from fltune.dispatch.manifest import MANIFEST_FORMAT, fingerprint_of
 
     if device is None:
         device, driver = this_cpu()
@@ -111,7 +111,7 @@ def fusion_manifest(launch_floor_us=1.0):
         "silu_and_mul": {"fallback": "vendor.vllm", "tables": [silu]}})
     m.pop("fingerprint")
     m["launch_floor_us"] = launch_floor_us
-    from fltune.dispatch.frozen import fingerprint_of
+    from fltune.dispatch.manifest import fingerprint_of
     m["fingerprint"] = fingerprint_of(m)
     return m
 
@@ -206,7 +206,7 @@ def test_bad_route_mode_warns_or_refuses(monkeypatch, tmp_path, caplog):
 
 
 def test_plan_refuses_other_device_and_edited_manifest(tmp_path):
-    from fltune.dispatch.frozen import ManifestError, load_manifest
+    from fltune.dispatch.manifest import ManifestError, load_manifest
 
     plugin = _plugin()
     with pytest.raises(plugin.FltunePluginError, match="another device"):
@@ -214,7 +214,7 @@ def test_plan_refuses_other_device_and_edited_manifest(tmp_path):
     # no device record, but it names FlagGems, which cannot run here
     m = other_device_manifest()
     del m["device"]
-    from fltune.dispatch.frozen import fingerprint_of
+    from fltune.dispatch.manifest import fingerprint_of
     m["fingerprint"] = fingerprint_of(m)
     with pytest.raises(plugin.FltunePluginError, match="cannot run here"):
         plugin.build_plan(m, "nodev", device_type="cpu")

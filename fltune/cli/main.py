@@ -11,7 +11,9 @@
   refine       bisect the crossover between neighbouring bands' winners into the DB
   diff         two DBs (or two devices of one) side by side
 
-Human output goes through rich; ``--json`` prints one JSON document on stdout for scripts.
+Each ``cmd_*`` is a thin driver: it calls the stage that does the work, which returns a
+document (a dict); ``--json`` prints that document, otherwise ``cli/render.py`` (the only
+module that imports rich) draws it.
 Errors that are the user's to fix (unknown model, bad DB, bad policy) print one line naming
 the problem and the way out, and exit with status 2.
 """
@@ -21,12 +23,13 @@ import argparse
 import json
 import sys
 
-from .store import DEFAULT_DB
+from ..store import DEFAULT_DB
+from ..util import write_json_atomic
 
 
 def _console(quiet=False):
-    from rich.console import Console
-    return Console(stderr=True, quiet=quiet)
+    from .render import err_console
+    return err_console(quiet)
 
 
 class UsageError(ValueError):
@@ -77,7 +80,7 @@ def _float_in(lo, hi=None, lo_open=False):
 
 
 def _dtype_arg(s):
-    from .ops import dtype_from_name
+    from ..ops import dtype_from_name
     try:
         dtype_from_name(s)
     except ValueError as e:
@@ -86,7 +89,7 @@ def _dtype_arg(s):
 
 
 def _op_arg(s):
-    from .ops import OPS
+    from ..ops import OPS
     if s not in OPS:
         raise argparse.ArgumentTypeError(f"unknown op {s!r}; ops: {', '.join(OPS)}")
     return s
@@ -94,7 +97,7 @@ def _op_arg(s):
 
 def _ops_arg(s):
     """A comma-separated list of known op names; returned normalized (no blanks, no repeats)."""
-    from .ops import OPS
+    from ..ops import OPS
     names = list(dict.fromkeys(n.strip() for n in s.split(",") if n.strip()))
     if not names:
         raise argparse.ArgumentTypeError(f"no op names in {s!r}; ops: {', '.join(OPS)}")
@@ -122,9 +125,10 @@ def _out_arg(s):
 def cmd_candidates(a) -> int:
     import torch
 
-    from .dispatch.manager import get_default_manager
-    from .dispatch.types import QualifyContext
-    from .ops import OPS, dtype_from_name
+    from ..dispatch.manager import get_default_manager
+    from ..dispatch.policy import fl_pick
+    from ..dispatch.types import QualifyContext
+    from ..ops import OPS, dtype_from_name
 
     m = get_default_manager()
     dt = dtype_from_name(a.dtype)
@@ -136,7 +140,8 @@ def cmd_candidates(a) -> int:
         cands = [{"impl_id": i.impl_id, "backend": i.backend, "kind": i.kind.value,
                   "vendor": i.vendor, "priority": i.priority, "qualified": (r := i.qualify(ctx)) is None,
                   "reason": r, "callable": i.callable_path} for i in ordered]
-        fl = next((c["impl_id"] for c in cands if c["qualified"]), None)
+        qual = {c["impl_id"]: "qualified" if c["qualified"] else "unqualified" for c in cands}
+        fl, _ = fl_pick(m.policy, op, ordered, qual.get)
         out.append({"op": op, "fl_pick": fl, "candidates": cands,
                     "qualified": sum(c["qualified"] for c in cands)})
     doc = {"device": dev, "dtype": a.dtype, "policy": m.policy.to_dict(), "ops": out,
@@ -144,38 +149,21 @@ def cmd_candidates(a) -> int:
     if a.json:
         print(json.dumps(doc, indent=1))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"fltune candidates on {dev} ({a.dtype}); FL order = policy "
-                    f"prefer={m.policy.prefer}")
-    for c in ("op", "candidate (FL order)", "kind/prio", "qualified", "why not", ""):
-        t.add_column(c)
-    for o in out:
-        for k, c in enumerate(o["candidates"]):
-            t.add_row(o["op"] if k == 0 else "", c["impl_id"], f"{c['kind']}/{c['priority']}",
-                      "[green]yes[/]" if c["qualified"] else "[red]no[/]", c["reason"] or "",
-                      "[bold]← FL pick[/]" if c["impl_id"] == o["fl_pick"] else "")
-        t.add_section()
-    from .report import wide_console
-    wide_console().print(t)
-    for src, name, err in m.discovery.failed:
-        Console(stderr=True).print(f"[yellow]backend {name} ({src}) failed to load: {err}[/]")
+    from .render import render_candidates
+    render_candidates(doc, m.policy.prefer)
     return 0
 
 
 def cmd_calibrate(a) -> int:
-    from .tune.adjudicate import Settings
-    from .tune.calibrate import calibrate
+    from ..tune.calibrate import calibrate
+    from ..tune.race import Settings
+    from .render import progress_bar
 
     dev = _device(a)
     settings = Settings(device=dev, parity_floor=a.parity_floor, margin=a.margin,
                         cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-    prog = Progress(TextColumn("[bold]calibrating[/] {task.description}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=con, disable=a.quiet or a.json)
+    prog = progress_bar(con, "calibrating", a.quiet or a.json)
     task = None
 
     def progress(event, **kw):
@@ -203,9 +191,9 @@ def cmd_calibrate(a) -> int:
 
 
 def cmd_freeze(a) -> int:
-    from .dispatch.manager import get_default_manager
-    from .dispatch.policy import SelectionPolicy
-    from .freeze import build_manifest, write_manifest
+    from ..dispatch.manager import get_default_manager
+    from ..dispatch.policy import SelectionPolicy
+    from ..freeze import build_manifest, write_manifest
 
     manifest, warnings = build_manifest(a.db, device=a.device, strict=a.strict,
                                         policy=SelectionPolicy.from_env(),
@@ -225,42 +213,34 @@ def cmd_freeze(a) -> int:
 
 
 def cmd_report(a) -> int:
-    from . import report
-    from .dispatch.policy import SelectionPolicy
+    from ..dispatch.policy import SelectionPolicy
+    from ..evaluate import report
+    from .render import render_report
 
     rep = report.build(a.db, device=a.device, op=a.op, policy=SelectionPolicy.from_env())
     if a.json:
         print(json.dumps(rep, indent=1, default=str))
     else:
-        report.render(rep)
+        render_report(rep)
     return 0
 
 
 def cmd_devices(a) -> int:
-    from .store import CalibrationDB
+    from ..store import CalibrationDB
     db = CalibrationDB(a.db, create=False)
     rows = db.devices()
     db.close()
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-    t = Table(title=f"devices in {a.db}")
-    for c in ("device key", "name", "capability", "SMs/cores", "memory GiB", "driver",
-              "winners", "measurements"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(r["device_key"], r["name"], r["capability"], str(r["sms"]),
-                  f"{r['memory_bytes'] / 2**30:.0f}", r["driver"], str(r["winners"]),
-                  str(r["measurements"]))
-    Console().print(t)
+    from .render import render_devices
+    render_devices(rows, a.db)
     return 0
 
 
 def cmd_serve(a) -> int:
     try:
-        from .integrations.vllm.serve import serve
+        from ..integrations.vllm.serve import serve
     except ImportError as e:
         print(f"fltune: error: the vLLM integration is not available ({e})", file=sys.stderr)
         return 2
@@ -269,24 +249,18 @@ def cmd_serve(a) -> int:
 
 
 def _progress(con, title, disabled):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
-    return Progress(TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=con, disable=disabled)
+    from .render import progress_bar
+    return progress_bar(con, title, disabled)
 
 
 def _write_json(doc, out):
     if out:
-        import os
-        tmp = f"{out}.tmp.{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        os.replace(tmp, out)
+        write_json_atomic(out, doc, indent=1, default=str)
 
 
 def cmd_bench(a) -> int:
-    from . import bench
+    from ..evaluate import bench
+    from .render import render_bench
 
     dev = _device(a)
     settings = bench.BenchSettings(device=dev, reps=a.reps, budget_s=a.budget,
@@ -305,19 +279,21 @@ def cmd_bench(a) -> int:
     with prog:
         doc = bench.run_bench(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
                               settings=settings, ops=a.ops.split(",") if a.ops else None,
-                              device=a.db_device, progress=progress)
+                              device=a.db_device, isolate=a.isolate,
+                              candidate_timeout=a.candidate_timeout, progress=progress)
     _write_json(doc, a.out)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        bench.render(doc)
+        render_bench(doc)
         if a.out:
             con.print(f"wrote {a.out}")
     return 0
 
 
 def cmd_verify(a) -> int:
-    from . import verify
+    from ..evaluate import verify
+    from .render import render_verify
 
     con = _console(a.quiet or a.json)
     prog = _progress(con, "verify", a.quiet or a.json)
@@ -334,17 +310,19 @@ def cmd_verify(a) -> int:
     with prog:
         doc = verify.run_verify(a.db, device=a.device, ops=a.ops.split(",") if a.ops else None,
                                 noise_floor=a.noise_floor, reps=a.reps, budget_s=a.budget,
+                                isolate=a.isolate, candidate_timeout=a.candidate_timeout,
                                 progress=progress)
     _write_json(doc, a.out)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        verify.render(doc, all_bands=a.all)
+        render_verify(doc, all_bands=a.all)
     return 1 if doc["stale"] else 0
 
 
 def cmd_refine(a) -> int:
-    from .tune import crossover
+    from ..tune import crossover
+    from .render import render_refine
 
     con = _console(a.quiet or a.json)
     prog = _progress(con, "refine", a.quiet or a.json)
@@ -369,33 +347,43 @@ def cmd_refine(a) -> int:
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        crossover.render(doc)
+        render_refine(doc)
     return 0
 
 
 def cmd_diff(a) -> int:
-    from . import diff
+    from ..evaluate import diff
+    from .render import render_diff
 
     doc = diff.run_diff(a.a, a.b, device_a=a.device_a, device_b=a.device_b,
                         threshold=a.threshold)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        diff.render(doc, all_bands=a.all)
+        render_diff(doc, all_bands=a.all)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fltune", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _isolate_args(c, what: str = "race") -> None:
+    """``--no-isolate`` and ``--candidate-timeout``: where the races run (see
+    ``tune/worker.py``); the same two flags for calibrate, bench and verify."""
+    c.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help=f"{what} in this process instead of a supervised worker (faster start; "
+                        "a crashing candidate then ends the run)")
+    c.add_argument("--candidate-timeout", type=_float_in(0.0, 86400.0, lo_open=True),
+                   default=120.0,
+                   help="seconds without progress before a candidate counts as hung")
 
+
+def _add_candidates(sub) -> None:
     c = sub.add_parser("candidates", help="every op x candidate on this machine")
     c.add_argument("--json", action="store_true")
     c.add_argument("--dtype", default="bf16", type=_dtype_arg)
     c.add_argument("--device", choices=["cpu", "cuda"])
     c.set_defaults(fn=cmd_candidates)
 
+
+def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure a model's workload into the DB")
     c.add_argument("--model", required=True,
                    help="built-in profile name (calibrate/profiles), a model dir or config.json")
@@ -416,16 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
     c.add_argument("--device", choices=["cpu", "cuda"])
     c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
-    c.add_argument("--no-isolate", dest="isolate", action="store_false",
-                   help="race in this process instead of a supervised worker (faster start; "
-                        "a crashing candidate then ends the run)")
-    c.add_argument("--candidate-timeout", type=_float_in(0.0, 86400.0, lo_open=True),
-                   default=120.0,
-                   help="seconds without progress before a candidate counts as hung")
+    _isolate_args(c)
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_calibrate)
 
+
+def _add_freeze(sub) -> None:
     c = sub.add_parser("freeze", help="DB -> frozen dispatch manifest")
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--out", required=True, type=_out_arg)
@@ -437,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_freeze)
 
+
+def _add_report(sub) -> None:
     c = sub.add_parser("report", help="what won where, against the fixed FL order")
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--device")
@@ -444,11 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_report)
 
+
+def _add_devices(sub) -> None:
     c = sub.add_parser("devices", help="device keys held by a DB")
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_devices)
 
+
+def _add_serve(sub) -> None:
     c = sub.add_parser("serve", help="run vLLM's OpenAI server with a calibrated DB")
     c.add_argument("--db")
     c.add_argument("--manifest")
@@ -457,6 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("vllm_args", nargs=argparse.REMAINDER)
     c.set_defaults(fn=cmd_serve)
 
+
+def _add_bench(sub) -> None:
     c = sub.add_parser("bench", help="manifest pick vs fixed FL order vs every backend vs "
                                      "the oracle, measured now")
     c.add_argument("--model", required=True,
@@ -477,11 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--copy-mib", type=_int_in(1, 1 << 20),
                    help="copy-bandwidth buffer in MiB (default 1024 GPU, 256 CPU)")
     c.add_argument("--device", choices=["cpu", "cuda"])
+    _isolate_args(c, "race")
     c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_bench)
 
+
+def _add_verify(sub) -> None:
     c = sub.add_parser("verify", help="re-measure the DB's winners now; exit 1 if stale")
     c.add_argument("--db", default=DEFAULT_DB)
     c.add_argument("--device", help="the DB's device row (key prefix or name, @DRIVER); must "
@@ -492,11 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0)
     c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05)
     c.add_argument("--all", action="store_true", help="show every band, not only drifted ones")
+    _isolate_args(c, "race")
     c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
     c.add_argument("--quiet", action="store_true")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_verify)
 
+
+def _add_refine(sub) -> None:
     c = sub.add_parser("refine", help="bisect the token count where neighbouring bands' "
                                       "winners cross; the edges go into the DB and the manifest")
     c.add_argument("--db", default=DEFAULT_DB)
@@ -515,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_refine)
 
+
+def _add_diff(sub) -> None:
     c = sub.add_parser("diff", help="winners of two DBs, or two devices of one DB, side by side")
     c.add_argument("a", help="calibration DB A")
     c.add_argument("b", nargs="?", help="calibration DB B (omit to compare two devices of A)")
@@ -525,15 +526,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--all", action="store_true", help="show every band")
     c.add_argument("--json", action="store_true")
     c.set_defaults(fn=cmd_diff)
+
+
+#: one function per subcommand, in the order ``fltune --help`` lists them
+SUBCOMMANDS = (_add_candidates, _add_calibrate, _add_freeze, _add_report, _add_devices, _add_serve, _add_bench, _add_verify, _add_refine, _add_diff)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fltune", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 
 def main(argv=None) -> int:
-    from .dispatch.frozen import ManifestError
-    from .dispatch.policy import PolicyError
-    from .freeze import StackMismatch
-    from .store import DBError
-    from .tune.workload import ModelConfigError
+    from ..dispatch.frozen import ManifestError
+    from ..dispatch.policy import PolicyError
+    from ..freeze import StackMismatch
+    from ..store import DBError
+    from ..tune.workload import ModelConfigError
 
     a = build_parser().parse_args(argv)
     try:

@@ -7,6 +7,11 @@ from .manager import (NoImplementationError, OpManager, call_op, get_default_man
 from .policy import PolicyError, SelectionPolicy
 from .registry import OpRegistry
 from .types import BackendImplKind, OpImpl, QualifyContext
+from . import frozen as _frozen
+
+# frozen dispatch finds the default registry through this provider instead of importing the
+# manager (which imports frozen): one direction between the two files
+_frozen._registry_provider = lambda: get_default_manager().registry
 
 __all__ = ["BackendImplKind", "OpImpl", "QualifyContext", "OpRegistry", "SelectionPolicy",
            "PolicyError", "OpManager", "call_op", "get_default_manager",

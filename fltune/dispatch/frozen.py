@@ -20,84 +20,44 @@ from __future__ import annotations
 
 import bisect
 import copy
-import hashlib
-import json
 import os
 import threading
 from typing import Optional
 
-MANIFEST_FORMAT = "fltune.manifest/1"
+from .manifest import (MANIFEST_FORMAT, Manifest, ManifestError,  # noqa: F401  (re-exported)
+                       canonical_json, fingerprint_of, load_manifest, verify_manifest)
 
 
 class DispatchFrozenError(RuntimeError):
     pass
 
 
-class ManifestError(ValueError):
-    """A manifest that cannot be used; the message names the file/problem and the fix."""
-
-
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def fingerprint_of(manifest: dict) -> str:
-    """sha256 over the canonical JSON of everything but the fingerprint itself."""
-    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
-    return hashlib.sha256(canonical_json(body).encode()).hexdigest()
-
-
-def verify_manifest(manifest: dict, source: str = "manifest") -> None:
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise ManifestError(f"{source}: not an fltune manifest (format "
-                            f"{manifest.get('format') if isinstance(manifest, dict) else '?'!r}, "
-                            f"expected {MANIFEST_FORMAT!r}); make one with `fltune freeze`")
-    want = manifest.get("fingerprint")
-    got = fingerprint_of(manifest)
-    if want != got:
-        raise ManifestError(f"{source}: fingerprint mismatch (recorded {str(want)[:12]}, content "
-                            f"{got[:12]}): the file was edited after freezing; re-run "
-                            f"`fltune freeze` instead of editing it")
-
-
-def load_manifest(path: str) -> dict:
-    try:
-        with open(path) as f:
-            m = json.load(f)
-    except FileNotFoundError:
-        raise ManifestError(f"manifest {path} not found; create it with `fltune freeze --db "
-                            f"DB --out {path}`") from None
-    except json.JSONDecodeError as e:
-        raise ManifestError(f"manifest {path} is not valid JSON ({e}); re-create it with "
-                            f"`fltune freeze`") from None
-    verify_manifest(m, path)
-    return m
-
-
 class FrozenDispatch:
     def __init__(self, manifest: dict, registry):
         from ..ops import OPS, dtype_from_name
 
-        verify_manifest(manifest)
+        typed = Manifest.from_json(manifest)
         self.manifest = copy.deepcopy(manifest)
         self.fingerprint = manifest["fingerprint"]
         self._tables: dict = {}
         self._fallback: dict = {}
         self._key_arg: dict = {}
         self.calls: dict = {}      # (op, impl_id) -> count; only when counting is on
-        for op_name, entry in manifest["ops"].items():
+        for op_name, entry in typed.ops.items():
             if op_name not in OPS:
                 raise ManifestError(f"manifest names op {op_name!r}, which this fltune does "
                                     f"not know; freeze again with this version")
             self._key_arg[op_name] = OPS[op_name].key_arg
             table = {}
-            for t in entry["tables"]:
-                impls = [registry.get(op_name, b["impl_id"]) for b in t["bands"]]
-                his = tuple(b["hi"] * t["rows_per_token"] for b in t["bands"])
-                table[(dtype_from_name(t["dtype"]), tuple(t["trailing"]))] = (
-                    his[:-1], tuple(impls))
+            for t in entry.tables:
+                impls = [registry.get(op_name, b.impl_id) for b in t.bands]
+                his = tuple(b.hi * t.rows_per_token for b in t.bands)
+                table[(dtype_from_name(t.dtype), tuple(t.trailing))] = (his[:-1], tuple(impls))
             self._tables[op_name] = table
-            self._fallback[op_name] = registry.get(op_name, entry["fallback"])
+            self._fallback[op_name] = registry.get(op_name, entry.fallback)
+        strict = bool((manifest.get("policy") or {}).get("strict"))
+        self.strict = strict
+        self.rerouted: dict = {}   # (op, declined impl, taken impl) -> calls, for diagnosis
         self._selectors = {op: _selector(self._tables[op], self._fallback[op],
                                          self._key_arg[op]) for op in self._tables}
 
@@ -134,6 +94,16 @@ def _selector(table: dict, fallback, key_arg: int):
     return select
 
 
+def _default_registry():
+    """The default manager's registry, through the provider ``fltune.dispatch`` installs at
+    import: frozen dispatch must not import the manager (the manager imports this module
+    to refuse policy changes while frozen; importing back made a circle)."""
+    if _registry_provider is None:
+        raise RuntimeError("no default registry: import fltune.dispatch, or pass registry=")
+    return _registry_provider()
+
+
+_registry_provider = None
 _state_lock = threading.Lock()
 _frozen: Optional[FrozenDispatch] = None
 
@@ -146,8 +116,7 @@ def freeze_dispatch(manifest: dict, registry=None) -> FrozenDispatch:
     """Resolve every op of ``manifest`` once and install the table process-wide."""
     global _frozen
     if registry is None:
-        from .manager import get_default_manager
-        registry = get_default_manager().registry
+        registry = _default_registry()
     fd = FrozenDispatch(manifest, registry)
     with _state_lock:
         _frozen = fd

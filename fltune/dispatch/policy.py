@@ -203,3 +203,25 @@ def _parse_per_op(v: str, where: str) -> dict:
         op, order = part.split("=", 1)
         out[op.strip()] = tuple(_check_token(t, where) for t in order.split("|") if t.strip())
     return out
+
+
+def fl_pick(policy: SelectionPolicy, op_name: str, impls: Iterable[OpImpl],
+            outcome_of) -> tuple[Optional[str], list[str]]:
+    """The one rule for "what the fixed FL order runs": ``(impl_id or None, skipped)``.
+
+    Walk the candidates in policy order; skip those that do not qualify (``outcome_of``
+    returns ``"unqualified"``) or were not measured (``None``); under a non-strict policy
+    also skip one that raised (``"refused"``), as ``OpManager.call_op`` falls back past it
+    — those are listed in ``skipped``. The first one left is FL's pick; FL checks no
+    parity, so it may be one that fails it. ``report``, ``freeze --order fl``, ``bench``
+    and ``candidates`` all call this (they used to apply three different rules)."""
+    skipped = []
+    for impl in policy.order(op_name, impls):
+        out = outcome_of(impl.impl_id)
+        if out is None or out == "unqualified":
+            continue
+        if out == "refused" and not policy.strict:
+            skipped.append(impl.impl_id)
+            continue
+        return impl.impl_id, skipped
+    return None, skipped

@@ -38,15 +38,19 @@ from typing import Callable, Optional
 
 import torch
 
-from . import device as devmod
-from .dispatch.frozen import FrozenDispatch
-from .dispatch.policy import SelectionPolicy
-from .dispatch.types import QualifyContext
-from .ops import DTYPE_NAMES, clone_args, dtype_from_name, get_op
-from .store import CalibrationDB, DBError
-from .tune import parity, timing
-from .tune.bands import DEFAULT_MAX_TOKENS, band_of, bands
-from .tune.workload import derive
+from ..dispatch.frozen import FrozenDispatch
+from ..dispatch.manifest import Manifest
+from ..dispatch.policy import SelectionPolicy, fl_pick
+from ..freeze import build_manifest
+from ..ops import DTYPE_NAMES, dtype_from_name, get_op
+from ..store import CalibrationDB
+from ..store import device as devmod
+from ..store.device import device_row_for_this_machine
+from ..tune import parity, timing
+from ..tune.bands import DEFAULT_MAX_TOKENS, band_of, bands
+from ..tune.race import Settings
+from ..tune.worker import racer
+from ..tune.workload import derive
 
 DECODE_MIX = (1, 8, 32, 128)
 PREFILL_MIX = (2048, 8192)
@@ -77,42 +81,9 @@ class BenchSettings:
 
 # ---- device / DB ------------------------------------------------------------------------
 
-def device_row_for_this_machine(db: CalibrationDB, device_type: str,
-                                device: Optional[str] = None) -> tuple[dict, dict, list[str]]:
-    """(DB device row, this machine's record, notes): the DB's calibration of *this*
-    device. ``device`` (key prefix or name) picks among the DB's rows, but it must still
-    be this machine's device, because measuring needs the hardware. A different driver of
-    the same device is accepted, with a note (that is exactly what verify is for)."""
-    me = devmod.current(device_type)
-    rows = db.devices()
-    have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
-    if device is not None:
-        cand = [r for r in rows if r["device_key"].startswith(device.split("@")[0]) or
-                device.lower() in r["name"].lower()]
-        if "@" in device:
-            cand = [r for r in cand if r["driver"] == device.split("@", 1)[1]]
-    else:
-        cand = [r for r in rows if r["device_key"] == me["device_key"]]
-    mine = [r for r in cand if r["device_key"] == me["device_key"]]
-    if not mine:
-        what = f"--device {device!r} matches no calibration of" if device else "holds no calibration for"
-        raise DBError(f"{db.path} {what} this machine's device ({devmod.label(me)} "
-                      f"[{me['device_key']}]); measuring needs the device itself. Devices in "
-                      f"it: {have}")
-    same = [r for r in mine if r["driver"] == me["driver"]]
-    notes = []
-    if same:
-        row = same[0]
-    else:
-        row = max(mine, key=lambda r: r.get("last_run") or 0)
-        notes.append(f"driver changed: calibrated with {row['driver']}, running {me['driver']}")
-    return row, me, notes
-
-
-def _device_arg(db: CalibrationDB, row: dict) -> Optional[str]:
-    """What build_manifest's --device needs to find ``row`` (None = this machine's)."""
-    same_key = [r for r in db.devices() if r["device_key"] == row["device_key"]]
-    return row["device_key"] if len(same_key) == 1 else None
+def _device_arg(row: dict) -> str:
+    """The ``--device`` that makes build_manifest freeze exactly ``row``: KEY@DRIVER."""
+    return f"{row['device_key']}@{row['driver']}"
 
 
 def copy_bandwidth(device: str, mib: int, *, reps: int = 0, budget_s: float = 0.05,
@@ -144,75 +115,56 @@ def _pick(name_or_none, cands):
             "parity_ok": c.get("parity_ok") if c else None}
 
 
-def _manifest_table(manifest: dict, op: str, x: torch.Tensor) -> Optional[dict]:
-    entry = manifest["ops"].get(op)
-    if entry is None:
-        return None
-    dt = DTYPE_NAMES.get(x.dtype)
-    for t in entry["tables"]:
-        if t["dtype"] == dt and list(t["trailing"]) == list(x.shape[1:]):
-            return t
-    return None
+def _race_settings(settings: BenchSettings) -> Settings:
+    """The race settings of a bench: parity-failing candidates are timed too (FL would run
+    them), so the bench can show what they cost."""
+    return Settings(device=settings.device, parity_floor=settings.parity_floor,
+                    cold_l2=settings.cold_l2, reps=settings.reps, budget_s=settings.budget_s,
+                    graph_calls=settings.graph_calls, seed=settings.seed, time_failing=True)
+
+
+def _candidate(o, nbytes: int) -> dict:
+    """One race outcome as the bench document's candidate record."""
+    if o.outcome in ("unqualified", "refused"):     # did not qualify, or raised
+        return {"outcome": o.outcome, "reason": o.reason}
+    p, t = o.parity, o.timing
+    c = {"outcome": "timed", "parity": p.score, "parity_ok": p.passed,
+         "rel_error": p.rel_error if math.isfinite(p.rel_error) else None,
+         "reason": p.reason}
+    if t is not None:
+        c.update({"median_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us,
+                  "n": t.n, "noise": t.noise, "timer": t.timer,
+                  "gbps": nbytes / (t.median_us * 1e-6) / 1e9 if t.median_us else None})
+    return c
 
 
 def bench_band(op: str, dims: dict, dtype: torch.dtype, band, impls, policy: SelectionPolicy,
                fd: Optional[FrozenDispatch], manifest: Optional[dict],
-               settings: BenchSettings) -> dict:
-    """One (op, shape, dtype, band): every qualified candidate in one interleaved race."""
+               settings: BenchSettings, pool=None) -> dict:
+    """One (op, shape, dtype, band): every qualified candidate in one interleaved race (the
+    one race loop, ``tune/race.py``; in the supervised worker when ``pool`` is one)."""
     spec = get_op(op)
-    dev = settings.device
-    cap = torch.cuda.get_device_capability() if dev == "cuda" else None
-    ctx = QualifyContext(dev, dtype, cap)
-    gen = torch.Generator().manual_seed(settings.seed)
-    args = spec.make_inputs(band.tokens, dims, dtype, dev, gen)
     nbytes = spec.bytes_moved(band.tokens, dims, dtype)
-    ref = parity.reference_outputs(spec, args)
-    cands: dict = {}
-    calls = {}
-    for impl in impls:
-        why = impl.qualify(ctx)
-        if why is not None:
-            cands[impl.impl_id] = {"outcome": "unqualified", "reason": why}
-            continue
-        p = parity.check(spec, impl.fn, args, dtype, reference=ref, floor=settings.parity_floor)
-        if p.reason and p.reason.startswith("raised"):
-            cands[impl.impl_id] = {"outcome": "refused", "reason": p.reason}
-            continue
-        cands[impl.impl_id] = {"outcome": "timed", "parity": p.score, "parity_ok": p.passed,
-                               "rel_error": p.rel_error if math.isfinite(p.rel_error) else None,
-                               "reason": p.reason}
-        own = clone_args(args)
-        calls[impl.impl_id] = (lambda fn=impl.fn, a=own: fn(*a))
-    del ref
+    v = (pool or racer(False)).race(op, dims, dtype, band, impls, _race_settings(settings))
+    cands = {o.impl.impl_id: _candidate(o, nbytes) for o in v.outcomes}
     cold = settings.cold_l2 and band.tokens > 512
-    times = timing.time_candidates(calls, dev, reps=settings.reps, budget_s=settings.budget_s,
-                                   graph_calls=settings.graph_calls, cold_l2=cold) if calls else {}
-    for name, t in times.items():
-        c = cands[name]
-        if isinstance(t, timing.Timing):
-            c.update({"median_us": t.median_us, "p10_us": t.p10_us, "p90_us": t.p90_us,
-                      "n": t.n, "noise": t.noise, "timer": t.timer,
-                      "gbps": nbytes / (t.median_us * 1e-6) / 1e9 if t.median_us else None})
-        else:
-            c.update({"outcome": "refused", "reason": f"raised while timing: "
-                                                      f"{type(t).__name__}: {t}"})
-    # the fixed FL order's pick: the first qualified candidate in policy order (FL checks no
-    # parity); like OpManager.call_op, a non-strict policy falls back past one that raises
-    fl, fl_skipped = None, []
-    for i in policy.order(op, impls):
-        out = cands.get(i.impl_id, {}).get("outcome")
-        if out == "unqualified":
-            continue
-        if out == "refused" and not policy.strict:
-            fl_skipped.append(i.impl_id)
-            continue
-        fl = i.impl_id
-        break
-    # the manifest's pick: what frozen dispatch runs for exactly these arguments
+    # the fixed FL order's pick (``dispatch.policy.fl_pick``): the first qualified candidate
+    # in policy order; like OpManager.call_op, a non-strict policy falls back past one that
+    # raises
+    fl, fl_skipped = fl_pick(policy, op, impls,
+                             lambda iid: cands.get(iid, {}).get("outcome"))
+    # the manifest's pick: what frozen dispatch runs for exactly these arguments (its
+    # lookup reads only the key argument's dtype and shape)
     man, source = None, "op not in manifest"
     if fd is not None and op in fd.ops():
+        args = spec.make_inputs(band.tokens, dims, dtype, settings.device,
+                                torch.Generator().manual_seed(settings.seed))
+        x = args[spec.key_arg]
         man = fd.select(op, *args).impl_id
-        source = "table" if _manifest_table(manifest, op, args[spec.key_arg]) else "fallback"
+        typed = Manifest.from_json(manifest, verify=False)
+        source = ("table" if typed.table_for(op, DTYPE_NAMES.get(x.dtype), x.shape[1:])
+                  else "fallback")
+        del args, x
     good = {k: c for k, c in cands.items() if c.get("median_us") and c.get("parity_ok")}
     oracle = min(good, key=lambda k: good[k]["median_us"]) if good else None
     rec = {"op": op, "dims": dims, "dtype": DTYPE_NAMES[dtype], "band_lo": band.lo,
@@ -313,10 +265,13 @@ def mix_totals(records: list[dict], items: list, band_list, requested, copy_gbps
 def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = None,
               max_tokens: Optional[int] = None, settings: Optional[BenchSettings] = None,
               ops: Optional[list] = None, device: Optional[str] = None, manager=None,
-              policy: Optional[SelectionPolicy] = None,
+              policy: Optional[SelectionPolicy] = None, isolate: bool = False,
+              candidate_timeout: float = 120.0,
               progress: Optional[Callable] = None) -> dict:
-    from .dispatch.manager import get_default_manager
-    from .freeze import build_manifest
+    """``isolate``: race in the supervised worker (``tune/worker.py``), as calibrate does;
+    the CLI turns it on (``--no-isolate`` turns it off). ``device`` (``KEY |
+    NAME[@DRIVER]``) picks the DB's row to freeze; it must be this machine's device."""
+    from ..dispatch.manager import get_default_manager
 
     t0 = time.perf_counter()
     settings = settings or BenchSettings()
@@ -330,8 +285,8 @@ def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     policy = policy or SelectionPolicy.from_env()
     db = CalibrationDB(db_path, create=False)
     try:
-        row, me, notes = device_row_for_this_machine(db, settings.device, device)
-        dev_arg = _device_arg(db, row)
+        row, me, notes = device_row_for_this_machine(db, device, settings.device)
+        dev_arg = _device_arg(row)
     finally:
         db.close()
     manifest, warnings = build_manifest(db_path, device=dev_arg, policy=policy,
@@ -349,16 +304,17 @@ def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     if progress:
         progress("start", total=len(tasks))
     records = []
-    for it, b in tasks:
-        impls = registry.get_implementations(it.op)
-        rec = bench_band(it.op, it.dims_dict, dtype_from_name(it.dtype), b, impls, policy, fd,
-                         manifest, settings)
-        rec["signature"] = it.signature
-        rec["weight"] = it.calls
-        rec["where"] = it.where
-        records.append(rec)
-        if progress:
-            progress("band", op=it.op, band=b, record=rec)
+    with racer(isolate and bool(tasks), candidate_timeout) as pool:
+        for it, b in tasks:
+            impls = registry.get_implementations(it.op)
+            rec = bench_band(it.op, it.dims_dict, dtype_from_name(it.dtype), b, impls, policy,
+                             fd, manifest, settings, pool)
+            rec["signature"] = it.signature
+            rec["weight"] = it.calls
+            rec["where"] = it.where
+            records.append(rec)
+            if progress:
+                progress("band", op=it.op, band=b, record=rec)
     copies.append(copy_bandwidth(settings.device, copy_mib, reps=settings.reps,
                                  budget_s=settings.budget_s, graph_calls=settings.graph_calls))
     copy_gbps = max(c["gbps"] for c in copies)
@@ -404,104 +360,3 @@ def goals(doc: dict) -> dict:
             "bands_checked": len(big),
             "min": min((s for s in shares if s is not None), default=None), "below": low},
     }
-
-
-# ---- screen -----------------------------------------------------------------------------
-
-def _fmt_us(v):
-    return "—" if v is None else (f"{v:.1f}" if v >= 10 else f"{v:.2f}")
-
-
-def _x(v, good_above=None):
-    if v is None:
-        return "—"
-    s = f"{v:.2f}x"
-    if good_above is not None and v > good_above:
-        return f"[green]{s}[/]"
-    return s
-
-
-def render(doc: dict, console=None) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .report import short, wide_console
-
-    if console is None:
-        console = wide_console(170)
-    d = doc["device"]
-    console.print(f"[bold]fltune bench[/] — {doc['model']} {doc['dtype']} tp={doc['tp']} on "
-                  f"{d['name']} [{d['device_key']}], manifest {doc['manifest_fingerprint'][:12]}; "
-                  f"copy bandwidth {doc['copy']['gbps']:.1f} GB/s "
-                  f"({doc['copy']['runs'][0]['mib']} MiB, same timer)")
-    for w in doc["warnings"]:
-        console.print(f"[yellow]warning:[/] {escape(w)}")
-    impl_ids = sorted({k for r in doc["records"] for k, c in r["candidates"].items()
-                       if c.get("median_us")})
-    groups: dict = {}
-    for r in doc["records"]:
-        groups.setdefault((r["op"], r["signature"], r["dtype"]), []).append(r)
-    for (op, sig, dt), rows in groups.items():
-        t = Table(title=escape(f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step (µs per call)"),
-                  title_justify="left")
-        t.add_column("tokens", justify="right")
-        t.add_column("manifest", justify="left")
-        t.add_column("FL", justify="left")
-        t.add_column("oracle", justify="left")
-        t.add_column("man/orc", justify="right")
-        t.add_column("FL/man", justify="right")
-        for i in impl_ids:
-            t.add_column(short(i), justify="right")
-        t.add_column("man GB/s", justify="right")
-        t.add_column("% copy", justify="right")
-        for r in rows:
-            def pk(p):
-                return "—" if not p else f"{short(p['impl_id'])} {_fmt_us(p['us'])}" + (
-                    "" if p.get("parity_ok", True) else " [red](parity)[/]")
-            mor = r["ratios"]["manifest_vs_oracle"]
-            mor_s = _x(mor)
-            if r["ratios"]["manifest_slower_beyond_noise"]:
-                mor_s = f"[red]{mor_s}[/]"
-            cells = []
-            for i in impl_ids:
-                c = r["candidates"].get(i, {})
-                # · does not qualify here, ✗ raised, blank: the backend has no such op
-                cells.append(_fmt_us(c.get("median_us")) if c.get("median_us") else
-                             {"unqualified": "·", None: ""}.get(c.get("outcome"), "✗"))
-            m = r["manifest"] or {}
-            t.add_row(str(r["band_hi"]), pk(r["manifest"]), pk(r["fl"]), pk(r["oracle"]),
-                      mor_s, _x(r["ratios"]["speedup_vs_fl"], 1.03), *cells,
-                      "—" if not m.get("gbps") else f"{m['gbps']:.1f}",
-                      "—" if not m.get("copy_share") else f"{m['copy_share']:.0%}")
-        console.print(t)
-    console.print("(µs per call; man/orc = manifest / oracle, red: slower than some candidate "
-                  "beyond the measured noise; FL/man = speedup over the fixed FL order; "
-                  "· = does not qualify here, ✗ = raised)")
-    t = Table(title="workload-weighted per-step totals (µs; calls per step x per-call time)",
-              title_justify="left")
-    for c in ("mix", "tokens", "manifest", "FL", "oracle", "man/orc", "FL/man",
-              *(f"{short(i)}/man" for i in impl_ids), "% copy"):
-        t.add_column(c, justify="right" if c not in ("mix",) else "left")
-    for name, m in doc["mixes"].items():
-        tot = m["total_us"]
-        t.add_row(name, ",".join(map(str, m["tokens"])), _fmt_us(tot["manifest"]),
-                  _fmt_us(tot["fl"]), _fmt_us(tot["oracle"]), _x(m["manifest_vs_oracle"]),
-                  _x(m["speedup_vs_fl"], 1.03),
-                  *(_x(m["backend_vs_manifest"].get(i)) for i in impl_ids),
-                  "—" if m["manifest_copy_share"] is None else f"{m['manifest_copy_share']:.0%}")
-    console.print(t)
-    g = doc["goals"]
-    a = g["manifest_never_slower_beyond_noise"]
-    b = g["workload_within_2pct_of_oracle"]
-    c = g["share_of_copy_from_4096_tokens"]
-
-    def ok(v):
-        return "[green]met[/]" if v else ("—" if v is None else "[red]missed[/]")
-    console.print(f"[bold]goals[/]: manifest never slower than FL / any backend beyond the noise: "
-                  f"{ok(a['met'])} ({len(a['violations'])} of {a['bands_checked']} bands, "
-                  f"{a['violations_vs_fl']} against FL)")
-    console.print("       workload within 2 % of the oracle: " + ok(b["met"]) + " (" + ", ".join(
-        f"{k} {('—' if v is None else f'{(v - 1):+.1%}')}" for k, v in b["manifest_vs_oracle"].items()) + ")")
-    console.print(f"       ≥{GOAL_SHARE:.0%} of copy bandwidth from {GOAL_SHARE_FROM_TOKENS} tokens: "
-                  f"{ok(c['met'])}" + ("" if c["min"] is None else f" (min {c['min']:.0%} over "
-                                                                    f"{c['bands_checked']} bands)"))

@@ -15,40 +15,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .store import CalibrationDB, DBError
+from ..store import CalibrationDB, DBError
+from ..store.device import resolve_device
 
 #: B/A winner-time ratios outside [1/(1+t), 1+t] are flagged as moved (informational)
 DEFAULT_TIME_THRESHOLD = 0.05
 
 
-def _pick_device(db: CalibrationDB, spec: Optional[str], side: str) -> dict:
-    from . import device as devmod
-    rows = db.devices()
-    have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
-    if spec is None:
-        if len(rows) == 1:
-            return rows[0]
-        me = devmod.current()
-        mine = [r for r in rows if r["device_key"] == me["device_key"] and
-                r["driver"] == me["driver"]]
-        if len(mine) == 1:
-            return mine[0]
-        raise DBError(f"{db.path} holds {len(rows)} devices; name one with --device-{side} "
-                      f"(key prefix or name, optionally @DRIVER). Devices: {have}")
-    key, _, driver = spec.partition("@")
-    hits = [r for r in rows if (r["device_key"].startswith(key) or
-                                key.lower() in r["name"].lower()) and
-            (not driver or r["driver"] == driver)]
-    if len(hits) != 1:
-        raise DBError(f"--device-{side} {spec!r} matches {len(hits)} devices in {db.path} "
-                      f"(add @DRIVER to choose a driver); devices: {have}")
-    return hits[0]
-
-
 def _side(path: str, spec: Optional[str], side: str) -> dict:
     db = CalibrationDB(path, create=False)
     try:
-        dev = _pick_device(db, spec, side)
+        # KEY | NAME[@DRIVER]; none given: the DB's only device, else this machine's
+        dev = resolve_device(db, spec, flag=f"--device-{side}", sole=True)
         winners = db.winners(dev["device_key"], dev["driver"])
         timed = {(m["op"], m["signature"], m["dtype"], m["band_hi"], m["impl_id"]): m["median_us"]
                  for m in db.measurements(dev["device_key"], dev["driver"], outcome="timed")}
@@ -109,51 +87,3 @@ def run_diff(a_path: str, b_path: Optional[str] = None, *, device_a: Optional[st
                         "only_a": sum(1 for r in rows if r["status"] == "only_a"),
                         "only_b": sum(1 for r in rows if r["status"] == "only_b"),
                         "weighted_time_ratio_b_over_a": (num / den) if den else None}}
-
-
-def _us(v):
-    return "—" if v is None else (f"{v:.1f}" if v >= 10 else f"{v:.3g}")
-
-
-def _x(v):
-    return "—" if v is None else f"{v:.2f}x"
-
-
-def render(doc: dict, console=None, all_bands: bool = False) -> None:
-    from rich.table import Table
-
-    from .report import short, wide_console
-
-    if console is None:
-        console = wide_console(160)
-
-    def lab(s):
-        d = s["device"]
-        return f"{s['db']}: {d['name']} [{d['device_key']}] driver {d['driver']}"
-    console.print(f"[bold]fltune diff[/]\n  A = {lab(doc['a'])}\n  B = {lab(doc['b'])}")
-    rows = doc["rows"] if all_bands else [r for r in doc["rows"]
-                                          if r["status"] != "same" or r["time_moved"]]
-    if rows:
-        t = Table(title="all bands" if all_bands else "bands that differ", title_justify="left")
-        for c in ("op", "signature", "dtype", "tokens", "status", "A winner", "A µs", "B winner",
-                  "B µs", "B/A", "A's pick on B", "B's pick on A"):
-            t.add_column(c, justify="right" if ("µs" in c or c in ("tokens", "B/A") or
-                                                "pick on" in c) else "left")
-        for r in rows:
-            st = r["status"]
-            a, b = r["a"] or {}, r["b"] or {}
-            ratio = r.get("time_ratio")
-            t.add_row(r["op"], r["signature"], r["dtype"],
-                      f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"] else str(r["band_hi"]),
-                      f"[yellow]{st}[/]" if st != "same" else ("moved" if r["time_moved"] else st),
-                      short(a.get("impl_id")), _us(a.get("us")), short(b.get("impl_id")),
-                      _us(b.get("us")), _x(ratio), _x(r.get("a_pick_on_b")),
-                      _x(r.get("b_pick_on_a")))
-        console.print(t)
-    s = doc["summary"]
-    w = s["weighted_time_ratio_b_over_a"]
-    console.print(f"[bold]summary[/]: {s['common']} bands in both; winner changed in "
-                  f"[bold]{s['changed']}[/]; winner time moved beyond "
-                  f"{doc['threshold']:.0%} in {s['time_moved']}; only in A {s['only_a']}, only "
-                  f"in B {s['only_b']}; workload-weighted winner time B/A "
-                  + ("—" if w is None else f"{w:.2f}x"))

@@ -27,12 +27,15 @@ from typing import Optional
 
 import torch
 
-from . import device as devmod
-from .dispatch.frozen import MANIFEST_FORMAT, ManifestError, fingerprint_of
-from .dispatch.policy import SelectionPolicy
-from .ops import get_op
-from .store import CalibrationDB, DBError, band_key, resolve_device
-from .tune.bands import BAND_RULE
+from ..dispatch.manifest import (Band, Manifest, OpEntry, Point, Table,  # noqa: F401
+                                 device_mismatch, write_manifest)
+from ..dispatch.policy import SelectionPolicy, fl_pick
+from ..ops import get_op
+from ..store import CalibrationDB, DBError, band_key
+from ..store import device as devmod
+from ..store.device import resolve_device
+from ..tune.bands import BAND_RULE
+from ..tune.crossover import crossover_valid
 
 log = logging.getLogger("fltune.freeze")
 
@@ -66,6 +69,9 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
     """Returns (manifest, warnings). Raises DBError when there is nothing for the device,
     StackMismatch when ``strict`` and the stack changed since calibration.
 
+    ``device`` is ``KEY | NAME[@DRIVER]`` (``store.device.resolve_device``); None is this
+    machine's device and driver.
+
     ``order="fl"`` freezes the *fixed FL order* instead of the measured winners: every band
     picks the first qualified candidate in the policy's order (what vllm-plugin-FL would
     run), over the same bands. It exists so that the end-to-end A/B serves the baseline
@@ -81,48 +87,14 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         if not winners:
             raise DBError(f"{db_path} has no winners for {dev['name']} [{dev['device_key']}] "
                           f"driver {dev['driver']}; run `fltune calibrate --db {db_path}`")
-        warnings = []
         stacks = db.stacks_of_winners(dev["device_key"], dev["driver"])
-        if check_stack:
-            now = devmod.stack()
-            for sk, st in stacks.items():
-                diff = stack_differences(st, now)
-                if diff:
-                    msg = (f"software stack changed since calibration ({'; '.join(diff)}): the "
-                           f"measured winners may no longer be the fastest; re-run `fltune "
-                           f"calibrate --db {db_path}` (or `fltune verify`)")
-                    if strict:
-                        raise StackMismatch(msg)
-                    warnings.append(msg)
-        overrides = []
-        rows = []
+        warnings = _stack_warnings(stacks, db_path, strict) if check_stack else []
         # one read of the device's measurements serves the FL picks, the native compiled
         # times and the launch floor below
         by_band = db.measurements_by_band(dev["device_key"], dev["driver"])
         if order == "fl":
             winners = _fl_rows(by_band, winners, policy, registry)
-        for w in winners:
-            impl_ok = _permitted(w, policy)
-            if not impl_ok:
-                alt = _best_permitted(db, dev, w, policy)
-                if alt is None:
-                    overrides.append({"op": w["op"], "signature": w["signature"],
-                                      "band_hi": w["band_hi"], "denied": w["impl_id"],
-                                      "replacement": None,
-                                      "reason": "denied by policy; no permitted candidate "
-                                                "was measured"})
-                    continue
-                overrides.append({"op": w["op"], "signature": w["signature"],
-                                  "band_hi": w["band_hi"], "denied": w["impl_id"],
-                                  "replacement": alt["impl_id"],
-                                  "reason": f"vendor {w['vendor']} denied by policy"})
-                log.warning("fltune: %s %s band <=%s: %s denied by policy, using %s",
-                            w["op"], w["signature"], w["band_hi"], w["impl_id"], alt["impl_id"])
-                w = {**w, "impl_id": alt["impl_id"], "kind": alt["kind"],
-                     "vendor": alt["vendor"], "median_us": alt["median_us"],
-                     "runner_up": None, "runner_up_us": None, "gap": None,
-                     "reason": "policy override"}
-            rows.append(w)
+        rows, overrides = _apply_policy(db, dev, winners, policy)
         # measured with the software stack the winners were: an older stack's rows are not
         # evidence about this one
         stack_keys = set(stacks)
@@ -134,47 +106,84 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         crossovers = ({(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
                        for c in db.crossovers(dev["device_key"], dev["driver"])}
                       if order == "measured" else {})
-        ops = _tables(rows, registry, native, crossovers)
-        floor = min((m["median_us"] for m in timed if m["median_us"]), default=None)
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "device": {k: dev[k] for k in ("device_key", "device_type", "name", "capability",
-                                           "sms", "memory_bytes")},
-            "driver": dev["driver"],
-            "stack": sorted(stacks.values(), key=lambda s: json.dumps(s, sort_keys=True)),
-            "policy": policy.to_dict(),
-            "order": order,
+        manifest = Manifest(
+            device={k: dev[k] for k in ("device_key", "device_type", "name", "capability",
+                                        "sms", "memory_bytes")},
+            driver=dev["driver"],
+            stack=sorted(stacks.values(), key=lambda s: json.dumps(s, sort_keys=True)),
+            policy=policy.to_dict(), order=order,
             # order "fl": bands where FL's pick could not be served (it failed parity or was
             # never timed), so the measured winner stands in: the baseline is not pure FL there
-            "fl_substitutions": [{"op": w["op"], "signature": w["signature"],
-                                  "band_hi": w["band_hi"], "reason": w["reason"]}
-                                 for w in rows if order == "fl" and str(w.get("reason", ""))
-                                 .endswith("measured winner kept")],
-            "band_rule": BAND_RULE,
-            "source_db": {"path": str(db_path),
-                          "runs": [r["id"] for r in db.runs(dev["device_key"])]},
-            "ops": ops,
-            "overrides": overrides,
-            "launch_floor_us": floor,
-        }
-        manifest["fingerprint"] = fingerprint_of(manifest)
-        return manifest, warnings
+            fl_substitutions=[{"op": w["op"], "signature": w["signature"],
+                               "band_hi": w["band_hi"], "reason": w["reason"]}
+                              for w in rows if order == "fl" and str(w.get("reason", ""))
+                              .endswith("measured winner kept")],
+            band_rule=BAND_RULE,
+            source_db={"path": str(db_path),
+                       "runs": [r["id"] for r in db.runs(dev["device_key"])]},
+            ops=_op_entries(rows, registry, native, crossovers),
+            overrides=overrides,
+            launch_floor_us=min((m["median_us"] for m in timed if m["median_us"]),
+                                default=None))
+        return manifest.to_json(), warnings
     finally:
         db.close()
+
+
+def _stack_warnings(stacks: dict, db_path: str, strict: bool) -> list[str]:
+    """One warning per recorded stack that differs from the running one (``strict``:
+    raise instead), naming the command that re-measures."""
+    warnings = []
+    now = devmod.stack()
+    for st in stacks.values():
+        diff = stack_differences(st, now)
+        if diff:
+            msg = (f"software stack changed since calibration ({'; '.join(diff)}): the "
+                   f"measured winners may no longer be the fastest; re-run `fltune "
+                   f"calibrate --db {db_path}` (or `fltune verify`)")
+            if strict:
+                raise StackMismatch(msg)
+            warnings.append(msg)
+    return warnings
+
+
+def _apply_policy(db, dev, winners: list[dict], policy) -> tuple[list[dict], list[dict]]:
+    """The winner rows with every policy-denied vendor replaced by the fastest permitted
+    candidate measured in that band (or dropped when none was), and the overrides."""
+    overrides, rows = [], []
+    for w in winners:
+        if not _permitted(w, policy):
+            alt = _best_permitted(db, dev, w, policy)
+            base = {"op": w["op"], "signature": w["signature"], "band_hi": w["band_hi"],
+                    "denied": w["impl_id"]}
+            if alt is None:
+                overrides.append({**base, "replacement": None,
+                                  "reason": "denied by policy; no permitted candidate "
+                                            "was measured"})
+                continue
+            overrides.append({**base, "replacement": alt["impl_id"],
+                              "reason": f"vendor {w['vendor']} denied by policy"})
+            log.warning("fltune: %s %s band <=%s: %s denied by policy, using %s",
+                        w["op"], w["signature"], w["band_hi"], w["impl_id"], alt["impl_id"])
+            w = {**w, "impl_id": alt["impl_id"], "kind": alt["kind"],
+                 "vendor": alt["vendor"], "median_us": alt["median_us"],
+                 "runner_up": None, "runner_up_us": None, "gap": None,
+                 "reason": "policy override"}
+        rows.append(w)
+    return rows, overrides
 
 
 def _fl_rows(by_band: dict, winners, policy, registry) -> list[dict]:
     """The winner rows rewritten to the fixed FL order's pick in each band (kept as the
     measured winner where FL's pick was never timed, e.g. it failed parity, so that the
     baseline never serves an implementation known to be wrong)."""
-    from .dispatch.manager import get_default_manager
-    from .report import fl_pick
-
-    registry = registry or get_default_manager().registry
+    if registry is None:
+        from ..dispatch.manager import get_default_manager
+        registry = get_default_manager().registry
     out = []
     for w in winners:
         ms = by_band.get(band_key(w))
-        fl = fl_pick(ms, policy, registry) if ms else None
+        fl = fl_pick_row(ms, policy, registry) if ms else None
         if fl is not None and fl["impl_id"] == w["impl_id"]:
             out.append(w)
             continue
@@ -227,110 +236,124 @@ def _refined_edge(crossovers: dict, prev: Optional[dict], w: dict) -> Optional[d
     stack as both, the edge inside ``[prev.hi, w.hi)``."""
     if not crossovers or prev is None or prev["band_hi"] + 1 != w["band_lo"]:
         return None
-    from .tune.crossover import crossover_valid
     c = crossovers.get((w["op"], w["signature"], w["dtype"], prev["band_hi"]))
     return c if c is not None and crossover_valid(c, prev, w) else None
 
 
-def _tables(rows: list[dict], registry, native: Optional[dict] = None,
-            crossovers: Optional[dict] = None) -> dict:
-    """Per op, its tables of merged bands. Each table also keeps ``points``: every measured
-    band before merging, as [lo, hi, winner, winner µs, native-compiled µs or None]. The
-    vLLM plugin needs them to weigh a win against the fusion a routed op gives up (an
-    opaque custom op cannot be fused by Inductor with its neighbours; see
-    ``integrations/vllm/plugin.py``), and merged bands would hide the small-token end.
+def _band_of_row(w: dict, registry) -> Band:
+    return Band(lo=w["band_lo"], hi=w["band_hi"], impl_id=w["impl_id"], kind=w["kind"],
+                vendor=w["vendor"], callable=_callable(registry, w["op"], w["impl_id"]),
+                median_us=w["median_us"], runner_up=w["runner_up"],
+                runner_up_us=w["runner_up_us"], gap=w["gap"])
 
-    Where a valid refined crossover (``crossovers``, from ``fltune refine``) sits between
-    two differing winners, the lower band's ``hi`` becomes the crossover's edge — tokens
-    ``<= edge`` go to the lower winner, as the band rule reads ``(edge[i-1], edge[i]]`` and
-    ``FrozenDispatch.select`` bisects — and the upper band's ``lo`` becomes edge + 1; the
-    lower band records ``refined``, its ``coarse_hi`` and the ``crossover_probes``."""
+
+def _merged_bands(ws: list[dict], registry, crossovers: Optional[dict]) -> list[Band]:
+    """One table's winner rows (sorted by band) as bands: adjacent equal winners merged
+    (times and runner-up of the top band), and where a valid refined crossover sits
+    between two differing winners, the lower band's ``hi`` moved to the crossover's edge —
+    tokens ``<= edge`` go to the lower winner, as the band rule reads ``(edge[i-1],
+    edge[i]]`` and ``FrozenDispatch.select`` bisects — and the upper band's ``lo`` to edge
+    + 1; the lower band records ``refined``, its ``coarse_hi`` and the probes."""
+    bands: list[Band] = []
+    prev_row = None
+    for w in ws:
+        b = _band_of_row(w, registry)
+        last = bands[-1] if bands else None
+        if last is not None and last.impl_id == b.impl_id and last.hi + 1 == b.lo:
+            last.hi = b.hi
+            last.merged += 1
+            last.median_us = b.median_us          # time at the (new) top edge
+            last.runner_up, last.runner_up_us, last.gap = b.runner_up, b.runner_up_us, b.gap
+        else:
+            c = _refined_edge(crossovers, prev_row, w) if last is not None else None
+            if c is not None:
+                last.hi, last.refined = c["edge_tokens"], True
+                last.coarse_hi, last.crossover_probes = prev_row["band_hi"], c["probes"]
+                b.lo = c["edge_tokens"] + 1
+            bands.append(b)
+        prev_row = w
+    return bands
+
+
+def _op_entries(rows: list[dict], registry, native: Optional[dict] = None,
+                crossovers: Optional[dict] = None) -> dict:
+    """Per op, its :class:`OpEntry`: tables of merged bands (:func:`_merged_bands`). Each
+    table also keeps ``points``: every measured band before merging, with the winner's
+    time and the native compiled path's. The vLLM plugin needs them to weigh a win against
+    the fusion a routed op gives up (an opaque custom op cannot be fused by Inductor with
+    its neighbours; see ``integrations/vllm/plugin.py``), and merged bands would hide the
+    small-token end."""
     native = native or {}
     by_table = defaultdict(list)
     for w in rows:
         by_table[(w["op"], w["dtype"], w["signature"])].append(w)
-    ops: dict = {}
+    tables: dict = defaultdict(list)
     for (op, dtype, sig), ws in sorted(by_table.items()):
         ws.sort(key=lambda r: r["band_hi"])
         dims = json.loads(ws[0]["dims"])
         trailing, rpt = key_shape(op, dims)
-        bands = []
-        prev_row = None
-        for w in ws:
-            entry = {"lo": w["band_lo"], "hi": w["band_hi"], "impl_id": w["impl_id"],
-                     "kind": w["kind"], "vendor": w["vendor"],
-                     "callable": _callable(registry, op, w["impl_id"]),
-                     "median_us": w["median_us"], "runner_up": w["runner_up"],
-                     "runner_up_us": w["runner_up_us"], "gap": w["gap"], "merged": 1}
-            if bands and bands[-1]["impl_id"] == entry["impl_id"] and bands[-1]["hi"] + 1 == entry["lo"]:
-                prev = bands[-1]
-                prev["hi"] = entry["hi"]
-                prev["merged"] += 1
-                prev["median_us"] = entry["median_us"]      # time at the (new) top edge
-                prev["runner_up"], prev["runner_up_us"], prev["gap"] = (
-                    entry["runner_up"], entry["runner_up_us"], entry["gap"])
-            else:
-                c = _refined_edge(crossovers, prev_row, w) if bands else None
-                if c is not None:
-                    bands[-1].update({"hi": c["edge_tokens"], "refined": True,
-                                      "coarse_hi": prev_row["band_hi"],
-                                      "crossover_probes": c["probes"]})
-                    entry["lo"] = c["edge_tokens"] + 1
-                bands.append(entry)
-            prev_row = w
-        weight = max(w["weight"] or 0 for w in ws)
-        points = [[w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],
-                   native.get((op, sig, dtype, w["band_hi"]))] for w in ws]
-        table = {"dtype": dtype, "signature": sig, "dims": dims, "trailing": trailing,
-                 "rows_per_token": rpt, "weight": weight, "bands": bands, "points": points}
-        ops.setdefault(op, {"tables": [], "shadowed": []})["tables"].append(table)
-    for op, entry in ops.items():
-        # Two signatures can share one runtime key (q_norm and k_norm: same head_dim and
-        # dtype, different rows per token). The runtime sees only (dtype, trailing shape),
-        # so the table of the more-called signature serves that key; the other is listed.
-        keep: dict = {}
-        for t in sorted(entry["tables"], key=lambda t: -t["weight"]):
-            k = (t["dtype"], tuple(t["trailing"]))
-            if k in keep:
-                entry["shadowed"].append({"signature": t["signature"], "dtype": t["dtype"],
-                                          "served_by": keep[k]["signature"]})
-            else:
-                keep[k] = t
-        entry["tables"] = sorted(keep.values(), key=lambda t: (t["dtype"], t["signature"]))
-        votes = defaultdict(int)
-        for t in entry["tables"]:
-            for b in t["bands"]:
-                votes[b["impl_id"]] += t["weight"] * b["merged"]
-        entry["fallback"] = max(sorted(votes), key=lambda i: votes[i])
-        entry["native_everywhere"] = all(b["kind"] == "reference" for t in entry["tables"]
-                                         for b in t["bands"])
-    return ops
+        points = [Point(w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],
+                        native.get((op, sig, dtype, w["band_hi"]))) for w in ws]
+        tables[op].append(Table(dtype=dtype, signature=sig, dims=dims, trailing=trailing,
+                                rows_per_token=rpt, weight=max(w["weight"] or 0 for w in ws),
+                                bands=_merged_bands(ws, registry, crossovers), points=points))
+    return {op: _op_entry(ts) for op, ts in tables.items()}
+
+
+def _op_entry(tables: list[Table]) -> OpEntry:
+    """Two signatures can share one runtime key (q_norm and k_norm: same head_dim and
+    dtype, different rows per token). The runtime sees only (dtype, trailing shape), so the
+    table of the more-called signature serves that key; the other is listed as shadowed.
+    The fallback (arguments no table matches) is the implementation that serves the most
+    calls per step over the kept tables."""
+    keep: dict = {}
+    shadowed = []
+    for t in sorted(tables, key=lambda t: -t.weight):
+        if t.key in keep:
+            shadowed.append({"signature": t.signature, "dtype": t.dtype,
+                             "served_by": keep[t.key].signature})
+        else:
+            keep[t.key] = t
+    kept = sorted(keep.values(), key=lambda t: (t.dtype, t.signature))
+    votes = defaultdict(int)
+    for t in kept:
+        for b in t.bands:
+            votes[b.impl_id] += t.weight * b.merged
+    return OpEntry(tables=kept, shadowed=shadowed,
+                   fallback=max(sorted(votes), key=lambda i: votes[i]),
+                   native_everywhere=all(b.kind == "reference" for t in kept for b in t.bands))
+
+
+def _tables(rows: list[dict], registry, native: Optional[dict] = None,
+            crossovers: Optional[dict] = None) -> dict:
+    """:func:`_op_entries` as the manifest's JSON ``ops`` section."""
+    return {op: e.to_json() for op, e in _op_entries(rows, registry, native, crossovers).items()}
+
+
+def fl_pick_row(measured: list[dict], policy: SelectionPolicy, registry) -> Optional[dict]:
+    """The measurement row of the candidate the fixed FL order runs in one band
+    (``dispatch.policy.fl_pick`` over the band's rows). FL does not check parity, so its
+    pick may be one that fails it — reported as such."""
+    by_id = {m["impl_id"]: m for m in measured}
+    known = {i.impl_id for i in registry.get_implementations(measured[0]["op"])}
+    impls = [registry.get(m["op"], m["impl_id"]) for m in measured if m["impl_id"] in known]
+    pick, _ = fl_pick(policy, measured[0]["op"], impls,
+                      lambda iid: by_id[iid]["outcome"] if iid in by_id else None)
+    return by_id[pick] if pick else None
 
 
 def check_device(manifest: dict) -> Optional[str]:
-    """None if the manifest was measured on this machine's device and driver, else why not."""
+    """None if the manifest was measured on this machine's device and driver, else why not
+    (``dispatch.manifest.device_mismatch`` against ``store.device.current``)."""
     d = manifest.get("device", {})
     if d.get("device_type") == "cuda" and not torch.cuda.is_available():
-        return (f"manifest is for {d.get('name')} [{d.get('device_key')}], a CUDA device; "
-                f"this machine has none")
+        return device_mismatch(manifest, {}, False)
     me = devmod.current(d.get("device_type") if d.get("device_type") in ("cpu", "cuda") else None)
-    if d.get("device_key") != me["device_key"]:
-        return (f"manifest is for {d.get('name')} [{d.get('device_key')}], this machine is "
-                f"{devmod.label(me)} [{me['device_key']}]")
-    if manifest.get("driver") != me["driver"]:
-        return f"manifest is for driver {manifest.get('driver')}, this machine has {me['driver']}"
-    return None
+    return device_mismatch(manifest, {**me, "label": devmod.label(me)},
+                           torch.cuda.is_available())
 
 
 def manifest_for_this_device(db_path: str, *, strict: bool = False, policy=None,
                              registry=None) -> tuple[dict, list[str]]:
     """What serving uses with ``FLTUNE_DB``: freeze the DB for this machine's device."""
     return build_manifest(db_path, policy=policy, strict=strict, registry=registry)
-
-
-def write_manifest(manifest: dict, path: str) -> None:
-    import os
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)   # atomic: a reader never sees half a manifest

@@ -36,6 +36,8 @@ from typing import Iterable, Optional
 
 import sqlite_utils
 
+from ..util import has_sqlite_header
+
 SCHEMA_VERSION = 2
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
@@ -91,11 +93,6 @@ def _migrate_1_to_2(db: sqlite_utils.Database):
 MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2}
 
 
-def _has_sqlite_header(p: Path) -> bool:
-    with open(p, "rb") as f:
-        return f.read(16) == b"SQLite format 3\x00"
-
-
 def band_key(row: dict) -> tuple:
     """The band a measurement or winner row belongs to: (op, signature, dtype, band_hi)."""
     return (row["op"], row["signature"], row["dtype"], row["band_hi"])
@@ -117,7 +114,7 @@ class CalibrationDB:
             p.parent.mkdir(parents=True, exist_ok=True)
         elif p.is_dir():
             raise DBError(f"{self.path} is a directory, not a calibration DB file")
-        elif p.stat().st_size and not _has_sqlite_header(p):
+        elif p.stat().st_size and not has_sqlite_header(p):
             # SQLite takes a file shorter than its header for an empty DB and overwrites it
             raise DBError(f"{self.path} is not a usable SQLite calibration DB (no SQLite "
                           f"header). It was left untouched; point --db at another file, or "
@@ -356,26 +353,3 @@ class _Immediate:
         if self.depth_owner:
             self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
         return False
-
-
-def resolve_device(db: CalibrationDB, device: Optional[str]) -> dict:
-    """A device row chosen by key prefix or name substring; None -> this machine's."""
-    from . import device as devmod
-    rows = db.devices()
-    if device is None:
-        me = devmod.current()
-        for r in rows:
-            if r["device_key"] == me["device_key"] and r["driver"] == me["driver"]:
-                return r
-        have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
-        raise DBError(f"{db.path} holds no calibration for this device "
-                      f"({devmod.label(me)} [{me['device_key']}]). Devices in it: {have}. "
-                      f"Calibrate this device (`fltune calibrate --db {db.path}`) or name one "
-                      f"with --device")
-    hits = [r for r in rows if r["device_key"].startswith(device) or
-            device.lower() in r["name"].lower()]
-    if len(hits) != 1:
-        have = "; ".join(f"{r['name']} [{r['device_key']}] driver {r['driver']}" for r in rows) or "none"
-        raise DBError(f"--device {device!r} matches {len(hits)} devices in {db.path}; devices: "
-                      f"{have}")
-    return hits[0]

@@ -1,162 +1,28 @@
-"""Adjudication of one (op, shape, dtype, band): qualify -> parity -> race -> winner.
+"""Calibration's use of the race (``race.py``): the verdict of one band -> the DB rows.
 
-The rule is flashrt's ``adjudicate()``: the fastest candidate wins, *except* that every
-candidate whose median is within the win margin (default 3 %) of the fastest competes on
-precision, and the most precise of those (smallest measured error against the reference)
-wins. Why: a 2 % timing difference is inside what a rerun moves, so picking on it is
-picking on noise, while a precision difference is deterministic and real. Exact precision
-ties fall back to the declared precision rank, then the fastest.
+The rule (flashrt's ``adjudicate()``) lives with the race loop in ``race.py``: the fastest
+candidate wins, *except* that every candidate whose median is within the win margin
+(default 3 %) of the fastest competes on precision, and the most precise of those wins.
+Why: a 2 % timing difference is inside what a rerun moves, so picking on it is picking on
+noise, while a precision difference is deterministic and real.
 
-Every candidate's outcome is returned — unqualified (reason), refused (raised; reason),
+Every candidate's outcome is written — unqualified (reason), refused (raised; reason),
 parity_failed (score), timed (stats) — because the DB keeps all of them: "why did X not
 win here" must be answerable from the DB alone.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
-from ..dispatch.types import OpImpl, QualifyContext
-from ..ops import get_op
-from ..ops.base import DTYPE_NAMES, clone_args
-from . import parity, timing
+from ..ops.base import DTYPE_NAMES
 from .bands import Band
+from .race import (WIN_MARGIN, Outcome, Settings, Verdict, pick_winner,  # noqa: F401
+                   race)
 
-WIN_MARGIN = 0.03
-
-
-@dataclass
-class Settings:
-    device: str = "cpu"
-    parity_floor: float = parity.PARITY_FLOOR
-    margin: float = WIN_MARGIN
-    cold_l2: bool = False          # eager cold-L2 timing for prefill bands (> 512 tokens)
-    reps: int = 0                  # 0 = adaptive
-    budget_s: float = 0.05         # per candidate, when adaptive
-    graph_calls: int = 20
-    seed: int = 0
-
-    def as_dict(self):
-        return dict(self.__dict__)
-
-
-@dataclass
-class Outcome:
-    impl: OpImpl
-    outcome: str                   # unqualified | refused | parity_failed | timed
-    reason: Optional[str] = None
-    parity: Optional[parity.ParityResult] = None
-    timing: Optional[timing.Timing] = None
-
-
-@dataclass
-class Verdict:
-    outcomes: list
-    winner: Optional[Outcome]
-    runner_up: Optional[Outcome]
-    reason: str
-    bytes: int
-    extra: dict = field(default_factory=dict)
-
-
-def pick_winner(timed: list[Outcome], margin: float):
-    """flashrt's rule over the timed, parity-passing outcomes. Returns (winner, runner_up,
-    reason)."""
-    if not timed:
-        return None, None, "no candidate passed parity and timing"
-    by_time = sorted(timed, key=lambda o: o.timing.median_us)
-    fastest = by_time[0]
-    limit = fastest.timing.median_us * (1.0 + margin)
-    contenders = [o for o in by_time if o.timing.median_us <= limit]
-    winner = min(contenders, key=lambda o: (o.parity.rel_error, o.impl.precision_rank,
-                                            o.timing.median_us))
-    runner_up = next((o for o in by_time if o is not winner), None)
-    if winner is fastest:
-        reason = "fastest"
-        if len(contenders) > 1:
-            reason += f"; also most precise of {len(contenders)} within {margin:.0%}"
-    else:
-        slower = winner.timing.median_us / fastest.timing.median_us - 1
-        reason = (f"within {margin:.0%} of fastest {fastest.impl.impl_id} (+{slower:.1%}) and "
-                  f"more precise (rel err {winner.parity.rel_error:.2e} vs "
-                  f"{fastest.parity.rel_error:.2e})")
-    return winner, runner_up, reason
-
-
-def _free_memory(device: str) -> int:
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-def adjudicate(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
-               impls: list[OpImpl], settings: Settings, progress=None) -> Verdict:
-    """``progress(phase, impl_id)`` is called before each candidate's parity check and
-    warm-up and before the interleaved race, so a supervising process knows which
-    candidate was running if this one dies (see ``tune/worker.py``)."""
-    spec = get_op(op_name)
-    cap = torch.cuda.get_device_capability() if settings.device == "cuda" else None
-    ctx = QualifyContext(settings.device, dtype, cap)
-    # inputs, the reference and one clone per candidate must fit; a band that cannot is
-    # refused for every candidate instead of crashing the calibration
-    need = spec.bytes_moved(band.tokens, dims, dtype) * (len(impls) + 4)
-    free = _free_memory(settings.device)
-    if need > free * 0.8:
-        why = (f"band needs about {need / 2**30:.1f} GiB for inputs and copies; "
-               f"{free / 2**30:.1f} GiB free on {settings.device}")
-        return Verdict([Outcome(i, "refused", why) for i in impls], None, None, why,
-                       spec.bytes_moved(band.tokens, dims, dtype))
-    gen = torch.Generator().manual_seed(settings.seed)
-    args = spec.make_inputs(band.tokens, dims, dtype, settings.device, gen)
-    ref = parity.reference_outputs(spec, args)
-    outcomes, passing = [], []
-    for impl in impls:
-        why = impl.qualify(ctx)
-        if why is not None:
-            outcomes.append(Outcome(impl, "unqualified", why))
-            continue
-        if progress:
-            progress("parity", impl.impl_id)
-        p = parity.check(spec, impl.fn, args, dtype, reference=ref, floor=settings.parity_floor)
-        if p.reason and p.reason.startswith("raised"):
-            outcomes.append(Outcome(impl, "refused", p.reason, p))
-        elif not p.passed:
-            outcomes.append(Outcome(impl, "parity_failed", p.reason, p))
-        else:
-            o = Outcome(impl, "timed", None, p)
-            outcomes.append(o)
-            passing.append(o)
-    del ref
-    calls = {}
-    for o in passing:
-        own = clone_args(args)
-        calls[o.impl.impl_id] = (lambda fn=o.impl.fn, a=own: fn(*a))
-    cold = settings.cold_l2 and band.tokens > 512
-    times = timing.time_candidates(calls, settings.device, reps=settings.reps,
-                                   budget_s=settings.budget_s,
-                                   graph_calls=settings.graph_calls, cold_l2=cold,
-                                   progress=progress) if calls else {}
-    timed = []
-    for o in passing:
-        t = times.get(o.impl.impl_id)
-        if isinstance(t, timing.Timing):
-            o.timing = t
-            timed.append(o)
-        else:
-            o.outcome, o.reason = "refused", f"raised while timing: {type(t).__name__}: {t}"
-    winner, runner_up, reason = pick_winner(timed, settings.margin)
-    return Verdict(outcomes, winner, runner_up, reason,
-                   spec.bytes_moved(band.tokens, dims, dtype))
+#: calibration's name for the race (kept: tests, notebooks and scripts call it so)
+adjudicate = race
 
 
 def rows_for_db(verdict: Verdict, *, device: dict, stack_key: str, op: str, signature: str,

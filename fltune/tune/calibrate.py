@@ -11,13 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .. import device as devmod
 from ..dispatch.manager import OpManager
 from ..ops import dtype_from_name
 from ..store import CalibrationDB
-from .adjudicate import Settings, adjudicate, rows_for_db
+from ..store import device as devmod
+from .adjudicate import rows_for_db
 from .bands import DEFAULT_MAX_TOKENS, bands
-from .worker import WorkerPool
+from .race import Settings
+from .worker import racer
 from .workload import Workload, derive
 
 
@@ -66,13 +67,13 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     db = CalibrationDB(db_path)
     db.upsert_device(dev)
     run_id = db.start_run(dev, workload.model, workload.dtype, tp,
-                          {**settings.as_dict(), "max_tokens": max_tokens}, stack, skey)
+                          {**settings.recorded(), "max_tokens": max_tokens}, stack, skey)
     result = CalibrationResult(db_path, run_id, dev, workload)
     tasks = [(item, band) for item in workload.items for band in band_list]
     if progress:
         progress("start", total=len(tasks))
     status = "failed"
-    pool = WorkerPool(candidate_timeout) if isolate else None
+    pool = racer(isolate, candidate_timeout)
     try:
         for item, band in tasks:
             dims = item.dims_dict
@@ -85,10 +86,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                     progress("skip", op=item.op, band=band)
                 continue
             impls = registry.get_implementations(item.op)
-            if pool is not None:
-                verdict = pool.adjudicate(item.op, dims, dt, band, impls, settings)
-            else:
-                verdict = adjudicate(item.op, dims, dt, band, impls, settings)
+            verdict = pool.race(item.op, dims, dt, band, impls, settings)
             rows, win = rows_for_db(verdict, device=dev, stack_key=skey, op=item.op,
                                     signature=sig, dims=dims, dtype=dt, band=band,
                                     run_id=run_id, weight=item.calls)
@@ -101,9 +99,8 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                 progress("band", op=item.op, band=band, winner=win)
         status = "done"
     finally:
-        if pool is not None:
-            result.worker_restarts = pool.restarts
-            pool.close()
+        result.worker_restarts = pool.restarts
+        pool.close()
         db.finish_run(run_id, status)
         db.close()
     result.wall_s = time.perf_counter() - t0

@@ -49,6 +49,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+from ..ops import dtype_from_name
+from ..store import CalibrationDB, DBError
+from ..store import device as devmod
+from ..store.device import device_row_for_this_machine
+from .bands import Band
+from .race import Settings
+from .worker import racer
+from .workload import derive
+
 MIN_TOKENS = 16
 FRACTION = 1 / 8
 MAX_PROBES = 6
@@ -173,8 +182,8 @@ def crossover_valid(c: dict, lower: dict, upper: dict) -> bool:
 
 # ---- the driver ---------------------------------------------------------------------------
 
-def _settings_of_run(db, run_id, device_type: str):
-    from .adjudicate import Settings
+def _settings_of_run(db, run_id, device_type: str) -> Settings:
+    """The race settings the calibration run used (a probe is timed as its bands were)."""
     row = next((r for r in db.runs() if r["id"] == run_id), None)
     s = json.loads(row["settings"]) if row and row.get("settings") else {}
     known = set(Settings().__dict__)
@@ -191,6 +200,110 @@ def _available(registry, op: str, impl_id: str) -> bool:
         return False
 
 
+def _winners_to_refine(db, db_path, row, ops, model) -> list[dict]:
+    """The device's winner rows, narrowed to ``ops`` (each must have winners) and to the
+    tables of ``model``'s workload."""
+    winners = db.winners(row["device_key"], row["driver"])
+    if ops:
+        unknown = set(ops) - {w["op"] for w in winners}
+        if unknown:
+            raise DBError(f"--ops {','.join(sorted(unknown))}: no winners in {db_path} for "
+                          f"{row['name']} (ops there: "
+                          f"{', '.join(sorted({w['op'] for w in winners}))})")
+        winners = [w for w in winners if w["op"] in ops]
+    if model:
+        keys = {(i.op, i.signature, i.dtype) for i in derive(model).items}
+        winners = [w for w in winners if (w["op"], w["signature"], w["dtype"]) in keys]
+    return winners
+
+
+def _pair_record(lower: dict, upper: dict) -> dict:
+    return {"op": lower["op"], "signature": lower["signature"], "dtype": lower["dtype"],
+            "lower_lo": lower["band_lo"], "lower_hi": lower["band_hi"],
+            "upper_lo": upper["band_lo"], "upper_hi": upper["band_hi"],
+            "impl_below": lower["impl_id"], "impl_above": upper["impl_id"],
+            "weight": upper["weight"] or 1, "old_edge": lower["band_hi"],
+            "new_edge": None, "probes": [], "converged": None,
+            "gap_before": None, "gap_after": None, "status": None, "reason": None}
+
+
+def _prober(pool, rec: dict, impls, dims: dict, dt, settings: Settings,
+            progress: Optional[Callable]) -> Callable[[int], tuple]:
+    """``measure(tokens)`` for :func:`find_edge`: the pair raced by the one race loop at
+    that token count (in the worker when isolating); raises :class:`ProbeFailed` unless
+    both were timed."""
+    def measure(tokens):
+        v = pool.race(rec["op"], dims, dt, Band(tokens, tokens), impls, settings)
+        got = {o.impl.impl_id: o for o in v.outcomes}
+        times = []
+        for iid in (rec["impl_below"], rec["impl_above"]):
+            o = got.get(iid)
+            if o is None or o.outcome != "timed" or o.timing is None:
+                why = o.reason if o is not None else "not run"
+                raise ProbeFailed(f"{iid} at {tokens} tokens: "
+                                  f"{o.outcome if o else 'missing'} ({why})")
+            times.append(o.timing.median_us)
+        if progress:
+            progress("probe", op=rec["op"], tokens=tokens, times=times)
+        return tuple(times)
+    return measure
+
+
+def _refine_pair(db, row, run_id, skey, registry, pool, lower, upper, stored, *,
+                 force, min_tokens, frac, max_probes, progress) -> dict:
+    """One pair of adjacent bands: skipped (stack changed), cached (a valid stored
+    crossover), failed (a candidate missing or a probe failing), narrow (already within
+    the tolerance) or refined (the edge written to the DB)."""
+    rec = _pair_record(lower, upper)
+    old = stored.get((lower["op"], lower["signature"], lower["dtype"], lower["band_hi"]))
+    if lower["stack_key"] != skey or upper["stack_key"] != skey:
+        rec["status"], rec["reason"] = "skipped", (
+            "software stack changed since these bands were calibrated; re-run "
+            "`fltune calibrate` first (a crossover measured with another stack would "
+            "not describe these winners)")
+        return rec
+    if old is not None and not force and crossover_valid(old, lower, upper):
+        rec.update({"new_edge": old["edge_tokens"], "probes": old["probes"],
+                    "converged": bool(old["converged"]), "status": "cached"})
+        return rec
+    missing = [i for i in (lower["impl_id"], upper["impl_id"])
+               if not _available(registry, lower["op"], i)]
+    if missing:
+        rec["status"], rec["reason"] = "failed", (
+            f"{', '.join(missing)} not available on this machine (backend not installed?)")
+        return rec
+    impls = [registry.get(lower["op"], lower["impl_id"]),
+             registry.get(upper["op"], upper["impl_id"])]
+    settings = _settings_of_run(db, upper["run_id"], row["device_type"])
+    measure = _prober(pool, rec, impls, json.loads(lower["dims"]),
+                      dtype_from_name(lower["dtype"]), settings, progress)
+    try:
+        e = find_edge(lower["band_hi"], upper["band_hi"], measure,
+                      min_tokens=min_tokens, frac=frac, max_probes=max_probes)
+    except ProbeFailed as ex:
+        rec["status"], rec["reason"] = "failed", str(ex)
+        return rec
+    rec.update({"new_edge": e.edge, "probes": [p.as_dict() for p in e.probes],
+                "converged": e.converged, "tolerance": e.tolerance})
+    if not e.refined:
+        rec["status"] = "narrow"
+        rec["reason"] = (f"band width {upper['band_hi'] - lower['band_hi']} "
+                         f"within the tolerance {e.tolerance}: edge kept")
+        return rec
+    rec["status"] = "refined"
+    g = oracle_gap(rec["probes"], lower["band_hi"], e.edge, 1)
+    db.record_crossover({
+        "device_key": row["device_key"], "driver": row["driver"],
+        "stack_key": skey, "op": rec["op"], "signature": rec["signature"],
+        "dtype": rec["dtype"], "lower_hi": lower["band_hi"],
+        "upper_hi": upper["band_hi"], "impl_below": rec["impl_below"],
+        "impl_above": rec["impl_above"], "edge_tokens": e.edge,
+        "converged": int(e.converged), "probes": rec["probes"],
+        "gap_before": g["gap_before"], "gap_after": g["gap_after"],
+        "weight": rec["weight"], "run_id": run_id})
+    return rec
+
+
 def refine(db_path: str, *, device: Optional[str] = None, ops: Optional[list] = None,
            model: Optional[str] = None, force: bool = False, max_probes: int = MAX_PROBES,
            min_tokens: int = MIN_TOKENS, frac: float = FRACTION, isolate: bool = True,
@@ -199,14 +312,7 @@ def refine(db_path: str, *, device: Optional[str] = None, ops: Optional[list] = 
     """Refine every adjacent pair of differing winners of this machine's device in the DB
     (optionally only ``ops`` / the tables of ``model``'s workload); write the edges into
     the ``crossovers`` table. Returns a JSON-able document (``fltune refine --json``)."""
-    from .. import device as devmod
-    from ..bench import device_row_for_this_machine
     from ..dispatch.manager import get_default_manager
-    from ..ops import dtype_from_name
-    from ..store import CalibrationDB, DBError
-    from .adjudicate import adjudicate
-    from .bands import Band
-    from .worker import WorkerPool
 
     t0 = time.perf_counter()
     registry = (manager or get_default_manager()).registry
@@ -215,33 +321,14 @@ def refine(db_path: str, *, device: Optional[str] = None, ops: Optional[list] = 
     run_id = None
     status = "failed"
     try:
-        dev_type = devmod.current()["device_type"]
-        if device is not None:
-            rows = [r for r in db.devices() if r["device_key"].startswith(device.split("@")[0])
-                    or device.lower() in r["name"].lower()]
-            if rows and rows[0]["device_type"] in ("cpu", "cuda"):
-                dev_type = rows[0]["device_type"]
-        row, me, notes = device_row_for_this_machine(db, dev_type, device)
+        row, me, notes = device_row_for_this_machine(db, device)
         if row["driver"] != me["driver"]:
             raise DBError(f"{db_path}: calibrated with driver {row['driver']}, this machine runs "
                           f"{me['driver']}; refine times the calibrated winners and needs the "
                           f"same driver (calibrate this driver first)")
         stack = devmod.stack()
         skey = devmod.stack_key(stack)
-        winners = db.winners(row["device_key"], row["driver"])
-        if ops:
-            unknown = set(ops) - {w["op"] for w in winners}
-            if unknown:
-                raise DBError(f"--ops {','.join(sorted(unknown))}: no winners in {db_path} for "
-                              f"{row['name']} (ops there: "
-                              f"{', '.join(sorted({w['op'] for w in winners}))})")
-            winners = [w for w in winners if w["op"] in ops]
-        if model:
-            from .workload import derive
-            wl = derive(model)
-            keys = {(i.op, i.signature, i.dtype) for i in wl.items}
-            winners = [w for w in winners if (w["op"], w["signature"], w["dtype"]) in keys]
-        pairs = adjacent_pairs(winners)
+        pairs = adjacent_pairs(_winners_to_refine(db, db_path, row, ops, model))
         stored = {(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
                   for c in db.crossovers(row["device_key"], row["driver"])}
         settings_doc = {"max_probes": max_probes, "min_tokens": min_tokens, "frac": frac,
@@ -249,83 +336,12 @@ def refine(db_path: str, *, device: Optional[str] = None, ops: Optional[list] = 
         run_id = db.start_refine(row, settings_doc, stack, skey)
         if progress:
             progress("start", total=len(pairs))
-        if isolate and pairs:
-            pool = WorkerPool(candidate_timeout)
+        pool = racer(isolate and bool(pairs), candidate_timeout)
         records = []
         for lower, upper in pairs:
-            rec = {"op": lower["op"], "signature": lower["signature"], "dtype": lower["dtype"],
-                   "lower_lo": lower["band_lo"], "lower_hi": lower["band_hi"],
-                   "upper_lo": upper["band_lo"], "upper_hi": upper["band_hi"],
-                   "impl_below": lower["impl_id"], "impl_above": upper["impl_id"],
-                   "weight": upper["weight"] or 1, "old_edge": lower["band_hi"],
-                   "new_edge": None, "probes": [], "converged": None,
-                   "gap_before": None, "gap_after": None, "status": None, "reason": None}
-            key = (lower["op"], lower["signature"], lower["dtype"], lower["band_hi"])
-            old = stored.get(key)
-            if lower["stack_key"] != skey or upper["stack_key"] != skey:
-                rec["status"], rec["reason"] = "skipped", (
-                    "software stack changed since these bands were calibrated; re-run "
-                    "`fltune calibrate` first (a crossover measured with another stack would "
-                    "not describe these winners)")
-            elif old is not None and not force and crossover_valid(old, lower, upper):
-                rec.update({"new_edge": old["edge_tokens"], "probes": old["probes"],
-                            "converged": bool(old["converged"]), "status": "cached"})
-            elif missing := [i for i in (lower["impl_id"], upper["impl_id"])
-                             if not _available(registry, lower["op"], i)]:
-                rec["status"], rec["reason"] = "failed", (
-                    f"{', '.join(missing)} not available on this machine (backend not "
-                    f"installed?)")
-            else:
-                impls = [registry.get(lower["op"], lower["impl_id"]),
-                         registry.get(upper["op"], upper["impl_id"])]
-                dims = json.loads(lower["dims"])
-                dt = dtype_from_name(lower["dtype"])
-                settings = _settings_of_run(db, upper["run_id"], row["device_type"])
-
-                def measure(tokens, impls=impls, dims=dims, dt=dt, settings=settings,
-                            rec=rec):
-                    band = Band(tokens, tokens)
-                    if pool is not None:
-                        v = pool.adjudicate(rec["op"], dims, dt, band, impls, settings)
-                    else:
-                        v = adjudicate(rec["op"], dims, dt, band, impls, settings)
-                    got = {o.impl.impl_id: o for o in v.outcomes}
-                    times = []
-                    for iid in (rec["impl_below"], rec["impl_above"]):
-                        o = got.get(iid)
-                        if o is None or o.outcome != "timed" or o.timing is None:
-                            why = o.reason if o is not None else "not run"
-                            raise ProbeFailed(f"{iid} at {tokens} tokens: "
-                                              f"{o.outcome if o else 'missing'} ({why})")
-                        times.append(o.timing.median_us)
-                    if progress:
-                        progress("probe", op=rec["op"], tokens=tokens, times=times)
-                    return tuple(times)
-
-                try:
-                    e = find_edge(lower["band_hi"], upper["band_hi"], measure,
-                                  min_tokens=min_tokens, frac=frac, max_probes=max_probes)
-                except ProbeFailed as ex:
-                    rec["status"], rec["reason"] = "failed", str(ex)
-                else:
-                    rec.update({"new_edge": e.edge, "probes": [p.as_dict() for p in e.probes],
-                                "converged": e.converged, "tolerance": e.tolerance})
-                    if not e.refined:
-                        rec["status"] = "narrow"
-                        rec["reason"] = (f"band width {upper['band_hi'] - lower['band_hi']} "
-                                         f"within the tolerance {e.tolerance}: edge kept")
-                    else:
-                        rec["status"] = "refined"
-                        g = oracle_gap(rec["probes"], lower["band_hi"], e.edge, 1)
-                        db.record_crossover({
-                            "device_key": row["device_key"], "driver": row["driver"],
-                            "stack_key": skey, "op": rec["op"], "signature": rec["signature"],
-                            "dtype": rec["dtype"], "lower_hi": lower["band_hi"],
-                            "upper_hi": upper["band_hi"], "impl_below": rec["impl_below"],
-                            "impl_above": rec["impl_above"], "edge_tokens": e.edge,
-                            "converged": int(e.converged), "probes": rec["probes"],
-                            "gap_before": g["gap_before"], "gap_after": g["gap_after"],
-                            "weight": rec["weight"], "run_id": run_id})
+            rec = _refine_pair(db, row, run_id, skey, registry, pool, lower, upper, stored,
+                               force=force, min_tokens=min_tokens, frac=frac,
+                               max_probes=max_probes, progress=progress)
             if rec["probes"] and rec["new_edge"] is not None:
                 g = oracle_gap(rec["probes"], rec["old_edge"], rec["new_edge"], 1)
                 rec["gap_before"], rec["gap_after"] = g["gap_before"], g["gap_after"]
@@ -366,42 +382,3 @@ def summarize(records: list[dict]) -> dict:
             "weighted_oracle_us": best,
             "gap_before": (before / best - 1) if best else None,
             "gap_after": (after / best - 1) if best else None}
-
-
-def render(doc: dict, console=None) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from ..report import short, wide_console
-
-    console = console or wide_console(170)
-    d = doc["device"]
-    console.print(f"[bold]fltune refine[/] — {d['name']} [{d['device_key']}] driver "
-                  f"{d['driver']}, {doc['db']}")
-    for n in doc["notes"]:
-        console.print(f"[yellow]note:[/] {escape(n)}")
-    t = Table(title="crossovers between adjacent bands with different winners "
-                    "(tokens ≤ edge → below, > edge → above)", title_justify="left")
-    for c in ("op", "signature", "dtype", "bands", "below", "above", "old edge", "new edge",
-              "probes", "gap before", "gap after", "status"):
-        t.add_column(c, justify="right" if c in ("old edge", "new edge", "probes", "gap before",
-                                                 "gap after") else "left")
-
-    def pct(v):
-        return "—" if v is None else f"{v:+.1%}"
-    for r in doc["pairs"]:
-        st = r["status"] + ("" if r.get("converged") in (None, True) else " (probe cap)")
-        if r.get("reason") and r["status"] in ("failed", "skipped"):
-            st += f": {r['reason'][:60]}"
-        t.add_row(r["op"], escape(r["signature"]), r["dtype"],
-                  f"{r['lower_lo']}-{r['lower_hi']} | {r['upper_lo']}-{r['upper_hi']}",
-                  short(r["impl_below"]), short(r["impl_above"]), str(r["old_edge"]),
-                  "—" if r["new_edge"] is None else str(r["new_edge"]),
-                  str(len(r["probes"])), pct(r["gap_before"]), pct(r["gap_after"]),
-                  escape(st))
-    console.print(t)
-    s = doc["summary"]
-    console.print(f"{s['pairs']} pairs ({', '.join(f'{k} {v}' for k, v in sorted(s['status'].items()))}); "
-                  f"{s['edges_moved']} edges moved; oracle gap over the probe points, "
-                  f"workload-weighted: before {pct(s['gap_before'])} → after "
-                  f"{pct(s['gap_after'])}; {doc['wall_s']:.1f} s")

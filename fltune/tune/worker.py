@@ -1,5 +1,5 @@
-"""Run adjudication in a supervised worker process, so a bad candidate cannot take the
-calibration down with it.
+"""Run the race (``race.py``) in a supervised worker process, so a bad candidate cannot take
+the calibration — or a bench, verify or refine run — down with it.
 
 Kernels crash. A Triton kernel with a bad index corrupts the CUDA context (every later
 call in that process fails), a C++ kernel can segfault or abort, and a kernel can hang.
@@ -31,7 +31,7 @@ from typing import Optional
 
 from ..ops.base import DTYPE_NAMES
 from . import parity, timing
-from .adjudicate import Outcome, Settings, Verdict, adjudicate
+from .race import Outcome, Settings, Verdict, race
 from .bands import Band
 
 READY_TIMEOUT_S = 600
@@ -84,8 +84,8 @@ def _worker_main(conn, env: dict):
         def progress(phase, name):
             conn.send(("progress", phase, name))
         try:
-            v = adjudicate(op, dims, dtype_from_name(dtype_name), Band(lo, hi), impls,
-                           Settings(**settings), progress)
+            v = race(op, dims, dtype_from_name(dtype_name), Band(lo, hi), impls,
+                     Settings(**settings), progress)
             conn.send(("done", _to_wire(v)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -245,9 +245,40 @@ class WorkerPool:
                         None, None, why, 0)
             return v
 
+    race = adjudicate
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class InProcess:
+    """The race in this process (``--no-isolate``, or a caller's own registry of
+    candidates the worker could not rebuild): the same interface as :class:`WorkerPool`."""
+
+    restarts = 0
+    casualties: list = []
+
+    def race(self, op, dims, dtype, band: Band, impls, settings: Settings) -> Verdict:
+        return race(op, dims, dtype, band, impls, settings)
+
+    adjudicate = race
+
+    def close(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def racer(isolate: bool, timeout_s: float = 120.0):
+    """Where a command's races run: a supervised :class:`WorkerPool` (``isolate``; a
+    candidate that crashes, hangs or poisons the CUDA context is recorded as refused and
+    the run goes on), or :class:`InProcess`. Use as a context manager."""
+    return WorkerPool(timeout_s) if isolate else InProcess()

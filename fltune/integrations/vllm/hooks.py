@@ -144,7 +144,7 @@ def install_load_model_hooks() -> None:
 def _strip_fltune_keys(runner) -> None:
     """A process that serves vanilla vLLM (the plan failed) must not cache its graphs under
     the fingerprint `fltune serve` put on the command line."""
-    from .plugin import ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, STATUS
+    from .config import ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, STATUS
 
     if STATUS.get("state") != "failed":
         return
@@ -163,10 +163,10 @@ def before_load_model(runner) -> None:
         except Exception:
             pass
         return
-    from .plugin import (ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail,
+    from .config import (ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail,
                          route_key)
 
-    from .plugin import FltunePluginError, exact_device_problem
+    from .config import FltunePluginError, exact_device_problem
 
     try:
         if not plan.device_checked:
@@ -229,7 +229,7 @@ def after_load_model(runner) -> None:
     RECORD["layers"] = layers
     built = {op for m in model.modules() if isinstance(m, ops.SeamMixin)
              for op in m.fltune_routes}
-    from .plugin import compiled_with_inductor
+    from .config import compiled_with_inductor
 
     missing = sorted(set(plan.effective_routes(compiled_with_inductor())) - built)
     RECORD["routed_without_layer"] = missing

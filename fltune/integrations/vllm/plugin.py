@@ -47,44 +47,18 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...dispatch import frozen
+from ...dispatch.manifest import Table
 from . import ops
+from .config import (ADDITIONAL_CONFIG_KEY, ENV_COUNTERS, ENV_COUNTERS_INTERVAL,  # noqa: F401
+                     ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, ROUTE_CONFIG_KEY, ROUTE_MODES,
+                     ROUTE_RULE, STATUS, FltunePluginError, check_route, compiled_with_inductor,
+                     exact_device_problem, route_key, set_failure_handler)
 from .ops import CALL_COUNTS, counters, reset_counters  # noqa: F401  (public re-exports)
 
 log = logging.getLogger("vllm.fltune")
 
-ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
-#: the route mode (auto/all) beside the fingerprint in additional_config: with the manifest
-#: and vLLM's compilation config (hashed by vLLM itself) it fixes which ops are routed
-ROUTE_CONFIG_KEY = "fltune_route"
-#: bumped whenever the rule that turns (manifest, mode, compile mode) into routes changes:
-#: the rule lives in code Dynamo never traces, so vLLM's code hash cannot see it
-ROUTE_RULE = "decode-mix-vs-launch-floor/1"
-
-
-def check_route(mode: str) -> None:
-    """Raise if ``mode`` is not a FLTUNE_ROUTE value (the plugin and `fltune serve` both ask)."""
-    if mode not in ROUTE_MODES:
-        raise FltunePluginError(f"{ENV_ROUTE}={mode!r} is not one of {', '.join(ROUTE_MODES)}; "
-                                f"unset it for the default (auto)")
-
-
-def route_key(mode: str) -> str:
-    """The value keyed under ROUTE_CONFIG_KEY: the mode and the rule's version."""
-    return f"{mode}:{ROUTE_RULE}"
 NATIVE_PREFIX = "reference."
-ENV_MANIFEST = "FLTUNE_MANIFEST"
-ENV_DB = "FLTUNE_DB"
-ENV_STRICT = "FLTUNE_STRICT"
-ENV_COUNTERS = "FLTUNE_COUNTERS_FILE"
-ENV_COUNTERS_INTERVAL = "FLTUNE_COUNTERS_INTERVAL"
-ENV_ROUTE = "FLTUNE_ROUTE"
-ROUTE_MODES = ("auto", "all")
-#: the token counts a decode step runs at, for weighing a routed op against fusion
 DECODE_MIX = (1, 8, 32, 128)
-
-
-class FltunePluginError(RuntimeError):
-    """The manifest cannot be applied in this process (raised only when strict)."""
 
 
 def _truthy(v: Optional[str]) -> bool:
@@ -164,11 +138,6 @@ class FusionVerdict:
     why: str
 
 
-def _point_at(table: dict, tokens: int):
-    for p in table.get("points", []):
-        if p[0] <= tokens <= p[1]:
-            return p
-    return None
 
 
 def fusion_verdict(entry: dict, launch_floor_us: Optional[float]) -> FusionVerdict:
@@ -178,12 +147,13 @@ def fusion_verdict(entry: dict, launch_floor_us: Optional[float]) -> FusionVerdi
     stays routed, as the manifest says."""
     num = den = 0.0
     for t in entry.get("tables", []):
-        w = float(t.get("weight") or 1)
+        table = Table.from_json(t)
+        w = float(table.weight or 1)
         for tokens in DECODE_MIX:
-            p = _point_at(t, tokens)
-            if p is None or p[3] is None or p[4] is None:
+            p = table.point_at(tokens)
+            if p is None or p.median_us is None or p.native_us is None:
                 continue
-            num += w * (p[4] - p[3])
+            num += w * (p.native_us - p.median_us)
             den += w
     if not den or launch_floor_us is None:
         return FusionVerdict(None, launch_floor_us, True,
@@ -196,18 +166,6 @@ def fusion_verdict(entry: dict, launch_floor_us: Optional[float]) -> FusionVerdi
     return FusionVerdict(gain, launch_floor_us, False,
                          f"decode win {gain:.2f} us/call <= launch floor "
                          f"{launch_floor_us:.2f} us: left to Inductor to fuse")
-
-
-def compiled_with_inductor() -> bool:
-    """Whether the vLLM being configured compiles the model with Inductor (so a native op
-    can be fused). Read from vLLM's current compilation config; False outside vLLM."""
-    try:
-        from vllm.config import CompilationMode, get_cached_compilation_config
-
-        cc = get_cached_compilation_config()
-        return cc.mode not in (None, CompilationMode.NONE) and cc.backend == "inductor"
-    except Exception:
-        return False
 
 
 # ---- building the plan (no side effects) ------------------------------------------------
@@ -253,21 +211,6 @@ def freeze_db(db_path: str, strict: bool = False) -> dict:
         log.warning("fltune: %s", w)
     frozen.verify_manifest(manifest, f"manifest frozen from {db_path}")
     return manifest
-
-
-def exact_device_problem(manifest: dict) -> Optional[str]:
-    """Why ``manifest`` was not measured on this very device and driver (device key:
-    name, capability, SM/core count, memory; ``fltune.freeze.check_device``), or None.
-
-    Only call it where touching the device is harmless: on CUDA it queries device 0, which
-    in the API server or engine-core process would create a CUDA context (memory on GPU 0,
-    and vLLM would have to spawn its workers). The plugin calls it in the model process
-    (the load_model hook) and, on CPU, already in ``register``."""
-    try:
-        from ...freeze import check_device
-    except ImportError:
-        return None
-    return check_device(manifest)
 
 
 def _manifest_device_type(manifest: dict) -> Optional[str]:
@@ -388,7 +331,7 @@ def plan_table(plan: Plan) -> str:
 _lock = threading.RLock()
 _registered = False
 #: what happened in this process: None (not configured), "applied", or the error text
-STATUS: dict = {"state": None, "error": None, "source": None}
+
 
 
 def fail(exc: BaseException, settings: Optional[Settings], where: str) -> None:
@@ -471,3 +414,6 @@ def _reset_for_tests() -> None:
         ops.unregister_layers()
         frozen.thaw_dispatch()
         STATUS.update(state=None, error=None, source=None)
+
+
+set_failure_handler(fail)

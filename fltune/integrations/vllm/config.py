@@ -1,0 +1,91 @@
+"""What the vLLM integration's modules share: the config keys, environment names, the
+status of this process's plan, the plugin's error type, and the failure handler.
+
+Why a module of its own: ``plugin`` (the entry point), ``hooks`` (the load_model hook) and
+``ops`` (the custom ops and layers) each needed a few of these, and took them from
+``plugin`` while ``plugin`` imported them — three import circles. Now ``config`` is
+imported by the three and imports none of them; ``plugin`` installs its failure handler
+here (:func:`set_failure_handler`) so that ``hooks`` can report a failure without importing
+``plugin``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
+#: the route mode (auto/all) beside the fingerprint in additional_config: with the manifest
+#: and vLLM's compilation config (hashed by vLLM itself) it fixes which ops are routed
+ROUTE_CONFIG_KEY = "fltune_route"
+#: bumped whenever the rule that turns (manifest, mode, compile mode) into routes changes:
+#: the rule lives in code Dynamo never traces, so vLLM's code hash cannot see it
+ROUTE_RULE = "decode-mix-vs-launch-floor/1"
+
+
+def check_route(mode: str) -> None:
+    """Raise if ``mode`` is not a FLTUNE_ROUTE value (the plugin and `fltune serve` both ask)."""
+    if mode not in ROUTE_MODES:
+        raise FltunePluginError(f"{ENV_ROUTE}={mode!r} is not one of {', '.join(ROUTE_MODES)}; "
+                                f"unset it for the default (auto)")
+
+
+def route_key(mode: str) -> str:
+    """The value keyed under ROUTE_CONFIG_KEY: the mode and the rule's version."""
+    return f"{mode}:{ROUTE_RULE}"
+
+ENV_MANIFEST = "FLTUNE_MANIFEST"
+ENV_DB = "FLTUNE_DB"
+ENV_STRICT = "FLTUNE_STRICT"
+ENV_COUNTERS = "FLTUNE_COUNTERS_FILE"
+ENV_COUNTERS_INTERVAL = "FLTUNE_COUNTERS_INTERVAL"
+ENV_ROUTE = "FLTUNE_ROUTE"
+ROUTE_MODES = ("auto", "all")
+#: the token counts a decode step runs at, for weighing a routed op against fusion
+
+
+class FltunePluginError(RuntimeError):
+    """The manifest cannot be applied in this process (raised only when strict)."""
+
+
+def compiled_with_inductor() -> bool:
+    """Whether the vLLM being configured compiles the model with Inductor (so a native op
+    can be fused). Read from vLLM's current compilation config; False outside vLLM."""
+    try:
+        from vllm.config import CompilationMode, get_cached_compilation_config
+
+        cc = get_cached_compilation_config()
+        return cc.mode not in (None, CompilationMode.NONE) and cc.backend == "inductor"
+    except Exception:
+        return False
+
+
+def exact_device_problem(manifest: dict) -> Optional[str]:
+    """Why ``manifest`` was not measured on this very device and driver (device key:
+    name, capability, SM/core count, memory; ``fltune.freeze.check_device``), or None.
+
+    Only call it where touching the device is harmless: on CUDA it queries device 0, which
+    in the API server or engine-core process would create a CUDA context (memory on GPU 0,
+    and vLLM would have to spawn its workers). The plugin calls it in the model process
+    (the load_model hook) and, on CPU, already in ``register``."""
+    try:
+        from ...freeze import check_device
+    except ImportError:
+        return None
+    return check_device(manifest)
+
+
+#: this process's plan: applied, failed (and why), or not tried
+STATUS: dict = {"state": None, "error": None, "source": None}
+_failure_handler = None
+
+
+def set_failure_handler(fn) -> None:
+    """``fn(exc, settings, where)``: how a failure after start is reported (the plugin's
+    ``fail``: serve vanilla loudly, or refuse under FLTUNE_STRICT)."""
+    global _failure_handler
+    _failure_handler = fn
+
+
+def fail(exc: BaseException, settings, where: str) -> None:
+    if _failure_handler is None:
+        raise exc
+    _failure_handler(exc, settings, where)
