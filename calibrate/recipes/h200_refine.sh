@@ -17,7 +17,7 @@ cp db/NVIDIA-H200_driver-580.159.04.db "$DB"
 {
   if ! python3 - "$DB" <<'PY'
 import sqlite3, sys
-from fltune import device as d
+from fltune.store import device as d
 now = d.stack_key(d.stack())
 con = sqlite3.connect(sys.argv[1])
 have = {k for (k,) in con.execute("select distinct stack_key from winners")}
