@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..dispatch.types import BackendImplKind, OpImpl
-from ._util import (contiguous, dtype_reason, import_reason, requires, same_dtype, two_dims,
+from ._util import (contiguous, dtype_reason, import_reason, requires, two_dims,
                     unit_last_stride)
 
 
@@ -72,14 +72,14 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     return query, key
 
 
-# What FlagGems' kernels take (``OpImpl.supports``), checked on the H200
-# (benchmarks/layout_check.py): the in-place fused norm is wrong on padded-row views, so it
-# needs packed rows; the plain norm takes a row stride; the gated activations and rope take
-# any strides (pointwise kernels over strided halves / views).
-_NORM = requires(unit_last_stride(0), same_dtype(1, 0))
-_ADD_NORM = requires(contiguous(0, 1), same_dtype(1, 0), same_dtype(2, 0))
-_SUPPORTS = {"rms_norm": _NORM, "gemma_rms_norm": _NORM, "fused_add_rms_norm": _ADD_NORM,
-             "gemma_fused_add_rms_norm": requires(same_dtype(1, 0), same_dtype(2, 0)),
+# What FlagGems' kernels take (``OpImpl.supports``), measured on the H200 by
+# benchmarks/layout_check.py (benchmarks/results/layouts-h200/): the in-place fused norm is
+# wrong on column slices and padded rows, so it needs packed rows; the plain norm takes a row
+# stride, per-head views and an fp32 weight; the gated activations and rope take any strides
+# (pointwise kernels over strided halves and views); the Gemma fused-add adapter packs its
+# copies before the in-place kernel.
+_SUPPORTS = {"rms_norm": unit_last_stride(0), "gemma_rms_norm": unit_last_stride(0),
+             "fused_add_rms_norm": contiguous(0, 1),
              "rotary_embedding": requires(unit_last_stride(1, 2), two_dims(1, 2))}
 
 _FNS = {"rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm,

@@ -24,6 +24,7 @@ import os
 import threading
 from typing import Optional
 
+from .types import UnsupportedCallError
 from .manifest import (MANIFEST_FORMAT, Manifest, ManifestError,  # noqa: F401  (re-exported)
                        canonical_json, fingerprint_of, load_manifest, verify_manifest)
 
@@ -58,8 +59,11 @@ class FrozenDispatch:
         strict = bool((manifest.get("policy") or {}).get("strict"))
         self.strict = strict
         self.rerouted: dict = {}   # (op, declined impl, taken impl) -> calls, for diagnosis
-        self._selectors = {op: _selector(self._tables[op], self._fallback[op],
-                                         self._key_arg[op]) for op in self._tables}
+        self._selectors = {
+            op: _selector(self._tables[op], self._fallback[op], self._key_arg[op],
+                          _reroute(op, _layout_chain(registry, op, self._fallback[op]),
+                                   strict, self.rerouted))
+            for op in self._tables}
 
     def select(self, op_name: str, *args):
         """The implementation the frozen table picks for these arguments."""
@@ -72,11 +76,15 @@ class FrozenDispatch:
         return list(self._tables)
 
 
-def _selector(table: dict, fallback, key_arg: int):
+def _selector(table: dict, fallback, key_arg: int, reroute):
     """One op's band lookup as a closure over its table, built once at freeze time: the
-    hot path then costs a tuple index, two tensor attribute reads, one dict get and (only
-    where bands pick different implementations) one bisect. ``torch.Size`` hashes and
-    compares like the tuple keys, so the trailing shape needs no conversion."""
+    hot path then costs a tuple index, two tensor attribute reads, one dict get, (only
+    where bands pick different implementations) one bisect, and, for a candidate that
+    declares limits (``OpImpl.supports``: strides, widths, dtype mix), its check. A call
+    outside the picked candidate's support goes to ``reroute``: the band table was measured
+    on packed inputs, and a kernel that ignores strides would be fast and wrong on a view.
+    ``torch.Size`` hashes and compares like the tuple keys, so the trailing shape needs no
+    conversion."""
     entries = {k: (edges, impls, None if edges else impls[0])
                for k, (edges, impls) in table.items()}
     get, bisect_left = entries.get, bisect.bisect_left
@@ -86,12 +94,55 @@ def _selector(table: dict, fallback, key_arg: int):
         shape = x.shape                   # one read: each .shape builds a new object
         hit = get((x.dtype, shape[1:]))
         if hit is None:
-            return fallback
-        if hit[2] is not None:
-            return hit[2]
-        return hit[1][bisect_left(hit[0], shape[0])]
+            impl = fallback
+        elif hit[2] is not None:
+            impl = hit[2]
+        else:
+            impl = hit[1][bisect_left(hit[0], shape[0])]
+        supports = impl.supports
+        if supports is None or supports(*args) is None:
+            return impl
+        return reroute(impl, args)
 
     return select
+
+
+#: the candidate that takes every call the op's contract allows: the eager reference
+REFERENCE_IMPL = "reference.torch"
+
+
+def _layout_chain(registry, op_name: str, fallback) -> tuple:
+    """Where a call goes when the band's pick declines it: the manifest's fallback, then
+    the eager reference (which takes any layout). Resolved once, at freeze time."""
+    chain = [fallback]
+    try:
+        ref = registry.get(op_name, REFERENCE_IMPL)
+    except Exception:   # a registry without the reference (tests' toy registries)
+        ref = None
+    if ref is not None and ref is not fallback:
+        chain.append(ref)
+    return tuple(chain)
+
+
+def _reroute(op_name: str, chain: tuple, strict: bool, counts: dict):
+    """The slow path for a call outside the picked candidate's support: the first of
+    ``chain`` that takes it (counted per (op, declined, taken)); strict, a refusal naming
+    the call's problem; never the declined candidate."""
+    def reroute(impl, args):
+        why = impl.unsupported(args)
+        if not strict:
+            for alt in chain:
+                if alt is not impl and alt.unsupported(args) is None:
+                    key = (op_name, impl.impl_id, alt.impl_id)
+                    counts[key] = counts.get(key, 0) + 1
+                    return alt
+        raise UnsupportedCallError(
+            f"{op_name}: the frozen pick {impl.impl_id} does not take this call ({why}); "
+            + ("strict dispatch refuses it (unset FLTUNE_STRICT to let another candidate "
+               "take such calls)" if strict else
+               f"and neither does any of {[a.impl_id for a in chain]}"))
+
+    return reroute
 
 
 def _default_registry():

@@ -8,7 +8,6 @@ worker isolation, so a crashing kernel killed them and a too-large band took the
 memory. Commands now differ only in which candidates they race and what they read off the
 returned :class:`Verdict`.
 
-
 The rule is flashrt's ``adjudicate()``: the fastest candidate wins, *except* that every
 candidate whose median is within the win margin (default 3 %) of the fastest competes on
 precision, and the most precise of those (smallest measured error against the reference)
@@ -140,13 +139,18 @@ def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
     ref = parity.reference_outputs(spec, args)
     outcomes, passing, failing = [], [], []
     for impl in impls:
-        why = impl.qualify(ctx)
+        # a candidate that declares it cannot take these arguments (layout, sizes, dtype
+        # mix: ``OpImpl.supports_args``) is unqualified here, never run and judged wrong
+        why = impl.qualify(ctx) or impl.unsupported(args)
         if why is not None:
             outcomes.append(Outcome(impl, "unqualified", why))
             continue
         if progress:
             progress("parity", impl.impl_id)
-        p = parity.check(spec, impl.fn, args, dtype, reference=ref, floor=settings.parity_floor)
+        # parity on the tidy inputs, then on the layouts vLLM passes in serving (strided
+        # views, padded rows, mixed dtypes: ``ops/layouts.py``), checked once per shape
+        p = parity.check_candidate(spec, impl, args, dims, dtype, reference=ref,
+                                   floor=settings.parity_floor)
         if p.reason and p.reason.startswith("raised"):
             outcomes.append(Outcome(impl, "refused", p.reason, p))
         elif not p.passed:

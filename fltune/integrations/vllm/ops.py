@@ -92,7 +92,7 @@ def is_routed(op_name: str) -> bool:
     plan = _plan
     if plan is None or op_name not in plan.routed:
         return False
-    from .plugin import compiled_with_inductor
+    from .config import compiled_with_inductor
 
     return plan.routes(op_name, compiled_with_inductor())
 
