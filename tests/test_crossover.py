@@ -184,7 +184,6 @@ def test_shipped_db_is_refined_and_freezes_with_its_edges():
 
 
 def test_version_1_copy_of_the_h200_db_migrates_and_readers_leave_it_untouched(tmp_path):
-    assert SCHEMA_VERSION == 2
     copy = tmp_path / "h200.db"
     _as_version_1(H200_DB, copy)
     v1 = _digest(copy)
@@ -199,7 +198,7 @@ def test_version_1_copy_of_the_h200_db_migrates_and_readers_leave_it_untouched(t
     # a writer migrates it forward: new tables, every row kept
     db = CalibrationDB(copy, create=False, write=True)
     try:
-        assert db.schema_version() == 2
+        assert db.schema_version() == SCHEMA_VERSION
         assert {"crossovers", "refine_runs"} <= set(db.db.table_names())
         assert db.db["crossovers"].pks == ["device_key", "driver", "op", "signature", "dtype",
                                            "lower_hi"]
@@ -364,7 +363,8 @@ def test_refine_cli_end_to_end(tmp_path, builtin_registry):
     (row,) = con.execute("select * from crossovers").fetchall()
     assert row["edge_tokens"] == pair["new_edge"] and row["impl_below"] == LOWER
     assert json.loads(row["probes"]) == pair["probes"]
-    assert con.execute("select value from meta where key='schema_version'").fetchone()[0] == "2"
+    assert con.execute("select value from meta where key='schema_version'").fetchone()[0] == str(
+        SCHEMA_VERSION)
     (run,) = con.execute("select * from refine_runs").fetchall()
     assert run["status"] == "done" and row["run_id"] == run["id"]
     con.close()

@@ -16,7 +16,8 @@ from fltune.store.db import (BUSY_TIMEOUT_MS, SCHEMA_VERSION, CalibrationDB, DBE
 DEVICE = {"device_key": "cpu0123456789abc", "device_type": "cpu", "name": "Test CPU",
           "capability": "AVX2", "sms": 2, "memory_bytes": 8 << 30, "driver": "linux 6.0",
           "runtime": "torch x"}
-TABLES = {"meta", "devices", "runs", "measurements", "winners", "crossovers", "refine_runs"}
+TABLES = {"meta", "devices", "runs", "measurements", "winners", "crossovers", "refine_runs",
+          "noise_probes"}
 
 
 def _digest(path) -> str:
@@ -59,7 +60,7 @@ def test_new_db_schema_version_wal_and_busy_timeout(tmp_db_path):
     db = CalibrationDB(tmp_db_path)                   # creates parent dirs too
     try:
         assert TABLES <= set(db.db.table_names())
-        assert db.schema_version() == SCHEMA_VERSION == 2
+        assert db.schema_version() == SCHEMA_VERSION == 3
         assert db.db.execute("PRAGMA busy_timeout").fetchone()[0] == BUSY_TIMEOUT_MS
         assert db.db["measurements"].pks == MEASUREMENT_KEY
         assert db.db["winners"].pks == WINNER_KEY

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from ..evaluate import bench
 from ..evaluate.verify import fmt_ratio
+from ..tune.noise import fmt_noise
 from ..util import SHORT, fmt_us  # noqa: F401
 from ..util import short_name as short
 
@@ -99,7 +100,8 @@ def render_report(rep: dict, console=None) -> None:
         t = Table(title=escape(f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step"),
                   title_justify="left")
         for col, just in (("tokens", "right"), ("winner", "left"), ("µs", "right"),
-                          ("runner-up", "left"), ("gap", "right"), ("FL pick", "left"),
+                          ("runner-up", "left"), ("gap", "right"), ("noise", "right"),
+                          ("FL pick", "left"),
                           ("FL µs", "right"), ("vs FL", "right"), ("parity", "right"),
                           ("GB/s", "right")):
             t.add_column(col, justify=just)
@@ -110,8 +112,12 @@ def render_report(rep: dict, console=None) -> None:
             sp = r["speedup_vs_fl"]
             sp_s = "—" if sp is None else (f"[green]{sp:.2f}x[/]" if sp > 1.03 else f"{sp:.2f}x")
             t.add_row(f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"] else str(r["band_hi"]),
-                      short(r["winner"]), fmt_us(r["winner_us"]), short(r["runner_up"]),
-                      "—" if r["gap"] is None else f"{r['gap']:+.1%}", fl, fmt_us(r["fl_us"]), sp_s,
+                      short(r["winner"]) + (" [yellow]?[/]" if r.get("undecided") else ""),
+                      fmt_us(r["winner_us"]), short(r["runner_up"]),
+                      "—" if r["gap"] is None else f"{r['gap']:+.1%}",
+                      ("—" if r.get("band_noise") is None else
+                       f"[yellow]{fmt_noise(r['band_noise'])}[/]" if r.get("undecided")
+                       else fmt_noise(r["band_noise"])), fl, fmt_us(r["fl_us"]), sp_s,
                       "—" if r["parity"] is None else f"{r['parity']:.4f}",
                       "—" if r["gbps"] is None else f"{r['gbps']:.1f}")
         console.print(t)
@@ -121,7 +127,32 @@ def render_report(rep: dict, console=None) -> None:
                   f"order in {s['bands_where_measured_differs_from_fl']}; FL's pick fails parity or "
                   f"raises in {s['bands_where_fl_pick_fails']}; workload-weighted speedup over the "
                   f"fixed FL order: " + ("—" if ws is None else f"[bold]{ws:.2f}x[/]") +
-                  ("" if s["max_speedup_vs_fl"] is None else f" (max {s['max_speedup_vs_fl']:.2f}x)"))
+                  ("" if s["max_speedup_vs_fl"] is None else f" (max {s['max_speedup_vs_fl']:.2f}x)") +
+                  f"; undecided (noise above the win margin): {s.get('bands_undecided', 0)}")
+    _noise_warning(console, rep)
+
+
+def _noise_warning(console, rep: dict) -> None:
+    """The report's last lines: the undecided bands by name, and the way out."""
+    und = rep.get("undecided") or []
+    if not und:
+        return
+    names = defaultdict(list)
+    for u in und:
+        names[(u["op"], u["signature"], u["dtype"])].append(
+            f"{u['band_lo']}–{u['band_hi']}" if u["band_lo"] != u["band_hi"] else str(u["band_hi"]))
+    console.print(f"[bold yellow]warning[/]: {len(und)} of {rep['summary']['bands']} bands are "
+                  f"undecided — their timing noise exceeds the win margin, so the winner there "
+                  f"was picked by precision, then FL order, not by speed:")
+    for (op, sig, dt), bands in names.items():
+        console.print(escape(f"  {op} [{sig}] {dt}: tokens {', '.join(bands)}"))
+    probes = rep.get("noise_probes") or []
+    loaded = [p for p in probes if p.get("loaded")]
+    if loaded:
+        console.print(escape(f"  the machine was loaded during the newest run ({len(loaded)} of "
+                             f"{len(probes)} noise probes: {loaded[-1]['loaded']})"))
+    console.print(escape(f"  way out: {rep['way_out']}"))
+
 
 
 def render_bench(doc: dict, console=None) -> None:

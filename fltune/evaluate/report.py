@@ -5,6 +5,14 @@ per band: the winner and its time, the runner-up and the gap, what the fixed FL 
 and its time, the speedup of measured over fixed, the winner's parity, and the achieved
 bandwidth (bytes the op must move / time). The summary weights every band by its op's
 calls per forward step (from the workload), so an op called 48 times a step counts 48 times.
+
+Honest noise: each row carries its band's noise (the largest timing spread among the winner
+and the two fastest candidates) and whether the band is **undecided** — its noise exceeds
+both the time gap between the two fastest and the win margin, so the pick rests on
+precision and the FL order, not on timing (``tune/noise.py``). A DB written before schema
+3 has no stored flag; the same rule is applied to its stored measurements
+(``undecided_source: "derived"``). The document ends with the undecided bands, the machine
+probes of the newest run, and the way out.
 """
 from __future__ import annotations
 
@@ -15,6 +23,8 @@ from ..dispatch.policy import SelectionPolicy
 from ..freeze import fl_pick_row
 from ..store import CalibrationDB, band_key
 from ..store.device import resolve_device
+from ..tune import noise as noisemod
+from ..tune.race import WIN_MARGIN
 
 
 #: kept for callers of the old name: the FL pick of one band's measurement rows
@@ -34,14 +44,25 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
         by_band = db.measurements_by_band(dev["device_key"], dev["driver"],
                                           **({"op": op} if op else {}))
         runs = [r for r in db.runs(dev["device_key"]) if r["driver"] == dev["driver"]]
+        probes = db.noise_probes(dev["device_key"], dev["driver"],
+                                 runs[-1]["id"] if runs else None)
     finally:
         db.close()
+    margins = {r["id"]: json.loads(r["settings"] or "{}").get("margin", WIN_MARGIN)
+               for r in runs}
     rows = []
     for w in winners:
         ms = by_band.get(band_key(w), [])
         mine = next((m for m in ms if m["impl_id"] == w["impl_id"]), {})
         fl = fl_pick_row(ms, policy, registry) if ms else None
         fl_us = fl["median_us"] if fl and fl["outcome"] == "timed" else None
+        band_noise, fastest_us, second_us = noisemod.band_noise(ms, w["impl_id"])
+        if w.get("undecided") is not None:
+            undecided, source = bool(w["undecided"]), "stored"
+        else:                                 # a DB before schema 3: the same rule, read back
+            undecided = noisemod.judge(fastest_us, second_us, band_noise or 0.0,
+                                       margins.get(w["run_id"], WIN_MARGIN))
+            source = "derived"
         rows.append({
             "op": w["op"], "signature": w["signature"], "dtype": w["dtype"],
             "band_lo": w["band_lo"], "band_hi": w["band_hi"], "winner": w["impl_id"],
@@ -53,12 +74,15 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
             "parity": mine.get("parity_score"), "rel_error": mine.get("rel_error"),
             "gbps": (mine["bytes"] / (w["median_us"] * 1e-6) / 1e9) if mine.get("bytes") else None,
             "weight": w["weight"] or 1, "noise": w["noise"],
+            "band_noise": band_noise, "machine_noise": w.get("machine_noise"),
+            "undecided": undecided, "undecided_source": source,
             "candidates": {m["impl_id"]: {"outcome": m["outcome"], "median_us": m["median_us"],
                                           "parity": m["parity_score"], "reason": m["reason"]}
                            for m in ms}})
     num = sum(r["weight"] * r["fl_us"] for r in rows if r["fl_us"])
     den = sum(r["weight"] * r["winner_us"] for r in rows if r["fl_us"])
     fl_bad = [r for r in rows if r["fl_outcome"] and r["fl_outcome"] != "timed"]
+    undecided = [r for r in rows if r["undecided"]]
     last = runs[-1] if runs else {}
     models = sorted({(r["model"], r["dtype"], r["tp"]) for r in runs},
                     key=lambda m: tuple(map(str, m)))
@@ -68,10 +92,32 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
             "models": [{"model": m, "dtype": d, "tp": t} for m, d, t in models],
             "stack": json.loads(last["stack"]) if last.get("stack") else {},
             "rows": rows,
+            "undecided": [{k: r[k] for k in ("op", "signature", "dtype", "band_lo", "band_hi",
+                                             "winner", "gap", "band_noise")}
+                          for r in undecided],
+            "noise_probes": probes,
+            "way_out": noise_way_out(db_path, last) if undecided else None,
             "summary": {"bands": len(rows),
                         "bands_where_measured_differs_from_fl": sum(
                             1 for r in rows if r["fl_pick"] != r["winner"]),
                         "bands_where_fl_pick_fails": len(fl_bad),
+                        "bands_undecided": len(undecided),
+                        "machine_loaded_probes": sum(1 for p in probes if p.get("loaded")),
                         "weighted_speedup_vs_fl": (num / den) if den else None,
                         "max_speedup_vs_fl": max((r["speedup_vs_fl"] for r in rows
                                                   if r["speedup_vs_fl"]), default=None)}}
+
+
+def noise_way_out(db_path: str, run: dict) -> str:
+    """What to do about undecided bands (the report's last line names it): commands that
+    run as printed, repeating the newest run's model and token range."""
+    from shlex import quote
+    cmd = f"fltune calibrate --model {quote(str(run.get('model') or 'MODEL'))} --db {quote(db_path)}"
+    try:
+        mt = json.loads(run.get("settings") or "{}").get("max_tokens")
+    except (TypeError, ValueError):
+        mt = None
+    if mt:
+        cmd += f" --max-tokens {int(mt)}"
+    return (f"re-measure on a quieter machine (stop other work first) with `{cmd} --force`, "
+            f"or check the winners now with `fltune verify --db {quote(db_path)}`")

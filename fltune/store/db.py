@@ -14,11 +14,22 @@ Tables
                 ``fltune refine`` up to which the lower band's winner is served (its edge),
                 the probes that found it, the stack it was measured with
   refine_runs   (v2) one ``fltune refine`` run: device, stack, settings, status, times
+  noise_probes  (v3) the machine's own noise during a calibration run: a fixed reference
+                kernel timed with the race's timer (median, spread), the load average and
+                the share of CPU time other processes took (``tune/noise.py``)
+  winners.undecided, winners.machine_noise  (v3) the band's noise exceeded its win margin
+                (1) or not (0), and the machine probe's spread the band was judged with
+
+Views (v3), for people: ``winners_readable``, ``measurements_readable`` and
+``noise_readable`` hold the same rows with the model, the device's name, times in µs
+rounded and gaps and noise in percent, so ``sqlite3 X.db 'select * from winners_readable'``
+needs no join. They are derived: nothing reads them back.
 
 Migrations run forward when a DB is opened for writing. A reader (``write=False``, the
 default with ``create=False``) opens an older DB as it is and never rewrites it: every
-migration after version 1 only adds tables, and their readers treat a missing table as
-empty — so a shipped DB read by ``freeze``/``report`` keeps its bytes.
+migration after version 1 only adds tables, views and nullable columns, and their readers
+treat a missing table as empty and a missing column as unknown (``None``) — so a shipped
+DB read by ``freeze``/``report`` keeps its bytes.
 
 Crash and concurrency safety: WAL journal (readers never block the writer), a busy
 timeout (writers queue instead of failing with "database is locked"), and each finished
@@ -38,7 +49,7 @@ import sqlite_utils
 
 from ..util import has_sqlite_header
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
 BUSY_TIMEOUT_MS = 60_000
@@ -90,7 +101,71 @@ def _migrate_1_to_2(db: sqlite_utils.Database):
         pk=CROSSOVER_KEY, if_not_exists=True)
 
 
-MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2}
+#: the views of schema 3: one flat row per winner / measurement / noise probe, no joins needed
+VIEWS = {
+    "winners_readable": """
+select r.model as model, d.name as device, w.driver as driver, w.op as op,
+       w.signature as signature, w.dtype as dtype, w.band_lo || '-' || w.band_hi as band,
+       w.band_lo as band_lo, w.band_hi as band_hi, w.impl_id as winner,
+       round(w.median_us, 2) as winner_us, w.runner_up as runner_up,
+       round(w.runner_up_us, 2) as runner_up_us, round(100 * w.gap, 1) as gap_pct,
+       round(100 * w.noise, 1) as noise_pct, round(100 * w.machine_noise, 1) as machine_noise_pct,
+       w.undecided as undecided, w.reason as reason, w.weight as calls_per_step,
+       w.device_key as device_key, w.run_id as run_id,
+       datetime(w.created, 'unixepoch') as measured_utc
+from winners w
+left join devices d on d.device_key = w.device_key and d.driver = w.driver
+left join runs r on r.id = w.run_id""",
+    "measurements_readable": """
+select r.model as model, d.name as device, m.driver as driver, m.op as op,
+       m.signature as signature, m.dtype as dtype, m.band_lo || '-' || m.band_hi as band,
+       m.band_lo as band_lo, m.band_hi as band_hi, m.tokens as tokens,
+       m.impl_id as candidate, m.outcome as outcome, m.reason as reason,
+       round(m.median_us, 2) as median_us, round(m.p10_us, 2) as p10_us,
+       round(m.p90_us, 2) as p90_us, m.n as n,
+       round(100 * (m.p90_us - m.p10_us) / nullif(m.median_us, 0), 1) as noise_pct,
+       round(m.parity_score, 4) as parity, m.rel_error as rel_error,
+       case when json_valid(m.timer) then json_extract(m.timer, '$.timer') end as timer,
+       (w.impl_id is not null) as is_winner, m.device_key as device_key,
+       m.stack_key as stack_key, m.run_id as run_id,
+       datetime(m.created, 'unixepoch') as measured_utc
+from measurements m
+left join devices d on d.device_key = m.device_key and d.driver = m.driver
+left join runs r on r.id = m.run_id
+left join winners w on w.device_key = m.device_key and w.driver = m.driver
+     and w.op = m.op and w.signature = m.signature and w.dtype = m.dtype
+     and w.band_hi = m.band_hi and w.impl_id = m.impl_id and w.stack_key = m.stack_key""",
+    "noise_readable": """
+select r.model as model, d.name as device, p.driver as driver, p.phase as phase,
+       datetime(p.created, 'unixepoch') as measured_utc, p.timer as timer,
+       round(p.median_us, 2) as median_us, round(100 * p.spread, 1) as spread_pct,
+       round(p.loadavg, 2) as loadavg, p.cores as cores,
+       round(100 * p.busy_others, 1) as busy_others_pct, p.loaded as loaded,
+       p.run_id as run_id, p.device_key as device_key
+from noise_probes p
+left join devices d on d.device_key = p.device_key and d.driver = p.driver
+left join runs r on r.id = p.run_id""",
+}
+
+
+def _migrate_2_to_3(db: sqlite_utils.Database):
+    """Honest noise and the DB for people: the machine's noise probes, two nullable winner
+    columns (an older row reads as unknown), and the readable views."""
+    db["noise_probes"].create({
+        "id": int, "run_id": int, "created": float, "device_key": str, "driver": str,
+        "phase": str, "timer": str, "median_us": float, "spread": float, "n": int,
+        "loadavg": float, "cores": int, "busy_others": float, "loaded": str},
+        pk="id", if_not_exists=True)
+    cols = {c.name for c in db["winners"].columns}
+    if "undecided" not in cols:
+        db["winners"].add_column("undecided", int)
+    if "machine_noise" not in cols:
+        db["winners"].add_column("machine_noise", float)
+    for name, sql in VIEWS.items():
+        db.create_view(name, sql.strip(), replace=True)
+
+
+MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2, 2: _migrate_2_to_3}
 
 
 def band_key(row: dict) -> tuple:
@@ -174,7 +249,7 @@ class CalibrationDB:
                           f"understands ({SCHEMA_VERSION}). It was left untouched; upgrade "
                           f"fltune (pip install -U fltune) to read it")
         if version >= 1 and not self.write:
-            return          # readable as is: later migrations only add tables
+            return          # readable as is: later migrations only add tables and columns
         while version < SCHEMA_VERSION:
             with self.transaction():
                 if version == 0:
@@ -327,6 +402,24 @@ class CalibrationDB:
                 [device_key, driver]):
             out[row["stack_key"]] = json.loads(row["stack"])
         return out
+
+    # ---- noise (schema 3) -------------------------------------------------------------
+    def record_probe(self, row: dict) -> None:
+        """One machine-noise probe of a calibration run (``tune/noise.py``)."""
+        with self.transaction():
+            self.db["noise_probes"].insert({**row, "created": time.time()})
+
+    def noise_probes(self, device_key: str, driver: str,
+                     run_id: Optional[int] = None) -> list[dict]:
+        """The machine-noise probes of a device (of one run); none in a DB before v3."""
+        if "noise_probes" not in self.db.table_names():
+            return []
+        q = "select * from noise_probes where device_key=? and driver=?"
+        args = [device_key, driver]
+        if run_id is not None:
+            q += " and run_id=?"
+            args.append(run_id)
+        return list(self.db.query(q + " order by id", args))
 
     def integrity_check(self) -> str:
         return self.db.execute("PRAGMA integrity_check").fetchone()[0]

@@ -7,6 +7,7 @@ warm rerun measures nothing. ``force=True`` re-measures (rows are replaced, not 
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -15,6 +16,7 @@ from ..dispatch.manager import OpManager
 from ..ops import dtype_from_name
 from ..store import CalibrationDB
 from ..store import device as devmod
+from . import noise as noisemod
 from .adjudicate import rows_for_db
 from .bands import DEFAULT_MAX_TOKENS, bands
 from .race import Settings
@@ -33,6 +35,7 @@ class CalibrationResult:
     winners: list = field(default_factory=list)
     wall_s: float = 0.0
     worker_restarts: int = 0
+    noise: dict = field(default_factory=dict)   # the machine-noise watch (tune/noise.py)
 
     def as_dict(self):
         return {"db": self.db_path, "run_id": self.run_id,
@@ -41,6 +44,7 @@ class CalibrationResult:
                 "dtype": self.workload.dtype, "measured": self.measured,
                 "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
                 "worker_restarts": self.worker_restarts,
+                "noise": self.noise, "undecided": self.noise.get("undecided", 0),
                 "winners": self.winners}
 
 
@@ -49,10 +53,16 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
               ops: Optional[list] = None, force: bool = False,
               manager: Optional[OpManager] = None,
               progress: Optional[Callable] = None, isolate: bool = False,
-              candidate_timeout: float = 120.0) -> CalibrationResult:
+              candidate_timeout: float = 120.0,
+              warn: Optional[Callable[[str], None]] = None) -> CalibrationResult:
     """``isolate=True`` runs every race in a supervised worker process (``tune/worker.py``):
     a candidate that crashes, hangs or poisons the CUDA context is recorded as refused
-    and the calibration goes on. The CLI turns it on by default."""
+    and the calibration goes on. The CLI turns it on by default.
+
+    The machine's own noise is probed at the start, before each workload item and at the
+    end (``tune/noise.py``); ``warn(line)`` (default: stderr) gets one line at once when
+    the machine is loaded, and a band whose noise exceeds its win margin is stored
+    undecided (``winners.undecided``)."""
     t0 = time.perf_counter()
     settings = settings or Settings()
     workload = derive(model, tp=tp, dtype=dtype)       # validates before anything is written
@@ -60,7 +70,8 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
         workload.restrict(ops)
     max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
     band_list = bands(max_tokens)
-    registry = (manager or OpManager()).registry
+    manager = manager or OpManager()
+    registry = manager.registry
     dev = devmod.current(settings.device)
     stack = devmod.stack()
     skey = devmod.stack_key(stack)
@@ -69,12 +80,17 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     run_id = db.start_run(dev, workload.model, workload.dtype, tp,
                           {**settings.recorded(), "max_tokens": max_tokens}, stack, skey)
     result = CalibrationResult(db_path, run_id, dev, workload)
+    watch = noisemod.Watch(db, run_id, dev, settings.device,
+                           warn or (lambda line: print(line, file=sys.stderr, flush=True)),
+                           db_path, workload.model, max_tokens)
+    probed_item = None
     tasks = [(item, band) for item in workload.items for band in band_list]
     if progress:
         progress("start", total=len(tasks))
     status = "failed"
     pool = racer(isolate, candidate_timeout)
     try:
+        watch.probe("start")
         for item, band in tasks:
             dims = item.dims_dict
             sig = item.signature
@@ -85,20 +101,32 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                 if progress:
                     progress("skip", op=item.op, band=band)
                 continue
+            if probed_item is not item:
+                if probed_item is not None:
+                    watch.probe(f"before {item.op}")
+                probed_item = item
             impls = registry.get_implementations(item.op)
             verdict = pool.race(item.op, dims, dt, band, impls, settings)
+            verdict, undecided, _ = noisemod.settle(
+                verdict, settings.margin, [i.impl_id for i in manager.policy.order(item.op, impls)])
             rows, win = rows_for_db(verdict, device=dev, stack_key=skey, op=item.op,
                                     signature=sig, dims=dims, dtype=dt, band=band,
                                     run_id=run_id, weight=item.calls)
+            if win:
+                win.update(undecided=int(undecided), machine_noise=watch.spread)
+                watch.undecided += undecided
             db.record_band(rows, win)
             result.measured += 1
             if win:
                 result.winners.append({k: win[k] for k in ("op", "signature", "dtype", "band_lo",
-                                                           "band_hi", "impl_id", "median_us")})
+                                                           "band_hi", "impl_id", "median_us",
+                                                           "undecided")})
             if progress:
                 progress("band", op=item.op, band=band, winner=win)
+        watch.probe("end")
         status = "done"
     finally:
+        result.noise = watch.as_dict()
         result.worker_restarts = pool.restarts
         pool.close()
         db.finish_run(run_id, status)
