@@ -111,6 +111,9 @@ def test_loaded_names_each_cause():
     assert line.startswith("warning: this machine is loaded (")
     assert "fltune calibrate --model tiny-qwen3 --db /tmp/x.db --max-tokens 16 --force" in line
     assert "fltune verify --db /tmp/x.db" in line and "\n" not in line
+    assert noise.rerun_command("m", "/tmp/a b.db", max_tokens=64, ops=["rms_norm", "rope"],
+                               tp=2) == ("fltune calibrate --model m --db '/tmp/a b.db' --tp 2 "
+                                         "--max-tokens 64 --ops rms_norm,rope --force")
 
 
 def test_probe_measures_with_the_race_timer():

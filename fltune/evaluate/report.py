@@ -112,12 +112,12 @@ def noise_way_out(db_path: str, run: dict) -> str:
     """What to do about undecided bands (the report's last line names it): commands that
     run as printed, repeating the newest run's model and token range."""
     from shlex import quote
-    cmd = f"fltune calibrate --model {quote(str(run.get('model') or 'MODEL'))} --db {quote(db_path)}"
     try:
-        mt = json.loads(run.get("settings") or "{}").get("max_tokens")
+        st = json.loads(run.get("settings") or "{}")
     except (TypeError, ValueError):
-        mt = None
-    if mt:
-        cmd += f" --max-tokens {int(mt)}"
-    return (f"re-measure on a quieter machine (stop other work first) with `{cmd} --force`, "
+        st = {}
+    cmd = noisemod.rerun_command(run.get("model") or "Qwen3.5-0.8B", db_path,
+                                 max_tokens=st.get("max_tokens"), ops=st.get("ops"),
+                                 tp=run.get("tp"))
+    return (f"re-measure on a quieter machine (stop other work first) with `{cmd}`, "
             f"or check the winners now with `fltune verify --db {quote(db_path)}`")

@@ -82,7 +82,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     result = CalibrationResult(db_path, run_id, dev, workload)
     watch = noisemod.Watch(db, run_id, dev, settings.device,
                            warn or (lambda line: print(line, file=sys.stderr, flush=True)),
-                           db_path, workload.model, max_tokens)
+                           db_path, workload.model, max_tokens, ops, tp)
     probed_item = None
     tasks = [(item, band) for item in workload.items for band in band_list]
     if progress:

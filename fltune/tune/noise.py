@@ -138,16 +138,30 @@ def loaded(p: Probe) -> Optional[str]:
     return "; ".join(why) or None
 
 
-def warning(cause: str, db_path: str, model: str, max_tokens: Optional[int] = None) -> str:
+def rerun_command(model: str, db_path, *, max_tokens: Optional[int] = None,
+                  ops: Optional[list] = None, tp: Optional[int] = None) -> str:
+    """``fltune calibrate ... --force`` that re-measures the same run (model, tp, token
+    range, op subset), complete and runnable as printed."""
+    from shlex import quote
+    cmd = f"fltune calibrate --model {quote(str(model))} --db {quote(str(db_path))}"
+    if tp and int(tp) != 1:
+        cmd += f" --tp {int(tp)}"
+    if max_tokens:
+        cmd += f" --max-tokens {int(max_tokens)}"
+    if ops:
+        cmd += f" --ops {quote(','.join(ops))}"
+    return cmd + " --force"
+
+
+def warning(cause: str, db_path: str, model: str, max_tokens: Optional[int] = None,
+            ops: Optional[list] = None, tp: Optional[int] = None) -> str:
     """The one line calibrate prints when the machine is loaded: the cause and the way out
     (commands that run as printed)."""
     from shlex import quote
-    cmd = f"fltune calibrate --model {quote(model)} --db {quote(str(db_path))}"
-    if max_tokens:
-        cmd += f" --max-tokens {int(max_tokens)}"
+    cmd = rerun_command(model, db_path, max_tokens=max_tokens, ops=ops, tp=tp)
     return (f"warning: this machine is loaded ({cause}): timings taken now are noise, and "
             f"bands whose noise exceeds their win margin are marked undecided. Stop the "
-            f"other work or use a quieter machine, then rerun `{cmd} --force`; `fltune "
+            f"other work or use a quieter machine, then rerun `{cmd}`; `fltune "
             f"verify --db {quote(str(db_path))}` re-measures the winners later")
 
 
@@ -200,10 +214,12 @@ class Watch:
     loaded, and holds the latest probe's spread for :func:`settle`."""
 
     def __init__(self, db, run_id: int, device: dict, torch_device: str, warn, db_path: str,
-                 model: str, max_tokens: Optional[int] = None):
+                 model: str, max_tokens: Optional[int] = None, ops: Optional[list] = None,
+                 tp: Optional[int] = None):
         self.db, self.run_id, self.device = db, run_id, device
         self.torch_device, self.warn = torch_device, warn
         self.db_path, self.model, self.max_tokens = db_path, model, max_tokens
+        self.ops, self.tp = ops, tp
         self.spread: Optional[float] = None
         self.probes = 0
         self.warnings: list = []
@@ -218,7 +234,7 @@ class Watch:
                               "driver": self.device["driver"], "phase": phase, **p.row(),
                               "loaded": cause})
         if cause and not self._loaded:
-            line = warning(cause, self.db_path, self.model, self.max_tokens)
+            line = warning(cause, self.db_path, self.model, self.max_tokens, self.ops, self.tp)
             self.warnings.append(line)
             self.warn(line)
         self._loaded = cause is not None
