@@ -1,10 +1,11 @@
 """Property-based tests over ``fltune`` command lines (issue 6, item 5).
 
 Hypothesis draws hostile and odd invocations of every subcommand but ``serve`` (which
-execs vLLM): unknown or odd ``--model`` values (missing names, directories, files of random
+execs vLLM; ``refine`` included since issue 10): unknown or odd ``--model`` values (missing names, directories, files of random
 bytes, JSON that is not an object, empty, unicode), out-of-range or non-numeric ``--tp``,
 ``--max-tokens``, ``--parity-floor``, ``--margin``, ``--reps``, ``--budget``,
-``--candidate-timeout``, ``--noise-floor``, ``--threshold``, ``--copy-mib``, garbage
+``--candidate-timeout``, ``--noise-floor``, ``--threshold``, ``--copy-mib``,
+``--max-probes``, garbage
 ``--dtype``/``--order``/``--op``/``--ops``, ``--device`` keys that match nothing, and DB
 paths that do not exist, are directories, random bytes, empty, a text file, a foreign SQLite
 DB or an fltune DB of a newer schema — mixed with valid values, so some runs do real (tiny)
@@ -16,8 +17,8 @@ The properties, for every invocation:
 - an argument known to be invalid (drawn from the invalid side) is refused (exit 2), and the
   error line names one of the invalid arguments (its flag or its value);
 - it never creates or modifies a file it was not asked to write: the whole scratch tree
-  (files, sizes, mtimes, sha256) is identical afterwards except the calibrate ``--db`` (and
-  its SQLite side files) and, on success, the ``--out`` file. An invalid DB passed in is
+  (files, sizes, mtimes, sha256) is identical afterwards except the calibrate (and
+  refine) ``--db`` (and its SQLite side files) and, on success, the ``--out`` file. An invalid DB passed in is
   byte-identical afterwards.
 
 ``fltune.cli.main(argv)`` runs in this process (argparse errors arrive as ``SystemExit``);
@@ -196,6 +197,9 @@ timeout_arg = _arg("--candidate-timeout", *floats(["30", "120"], ["0", "86401"])
 noise_arg = _arg("--noise-floor", *floats(["9", "0.1"]))
 threshold_arg = _arg("--threshold", *floats(["0.05", "0", "3"]))
 copy_arg = _arg("--copy-mib", *ints(["1"], lo_bad=0, hi_bad=2**20 + 1), omit=False)
+probes_arg = _arg("--max-probes", *ints(["1", "6"], lo_bad=0, hi_bad=65))
+refine_ops_arg = _arg("--ops", ops_arg[1], OPS_BAD)
+refine_model_arg = _arg("--model", model_arg[1], MODEL_BAD)
 flag = st.sampled_from([[], ["--json"], ["--quiet"], ["--quiet", "--json"]])
 
 #: read-side DB arguments: the valid one, the empty one (reads as empty), the bad ones
@@ -216,7 +220,7 @@ def invocation(draw):
     """(argv with symbolic paths, names of the invalid arguments, names of arguments that
     may be refused, the paths it may write, the --out path or None)."""
     cmd = draw(st.sampled_from(["calibrate", "freeze", "report", "devices", "verify", "diff",
-                                "bench", "candidates"]))
+                                "bench", "candidates", "refine"]))
     # one invocation in four is clean (every argument valid: real, tiny work); the others
     # mix valid, omitted and invalid arguments
     clean = draw(st.integers(0, 3)) == 0
@@ -327,6 +331,16 @@ def invocation(draw):
         for a in (tp_arg, dtype_arg, max_tokens_arg, ops_arg, reps_arg, copy_arg, budget_arg):
             add(a)
         out = out_opt()
+        parts.extend(draw(flag))
+    elif cmd == "refine":
+        path, kind = db_opt()
+        if kind is None:
+            writes.append(path)     # refine stores its run and the crossovers in the DB
+        dev_opt("--device")
+        for a in (refine_ops_arg, refine_model_arg, probes_arg, timeout_arg):
+            add(a)
+        out = out_opt()
+        parts.append("--no-isolate")
         parts.extend(draw(flag))
     else:  # candidates
         add(dtype_arg)
@@ -451,6 +465,16 @@ def check_invocation(inv, good_db, rand_bytes=b"\x00garbage"):
          rand_bytes=b"x")
 # --out a directory: IsADirectoryError after the work, and a stray temp file beside it
 @example(inv=(["freeze", "--db", GOOD, "--out", DIR], [["--out"]], [], [], None),
+         rand_bytes=b"x")
+# refine took --ops, --max-probes and --out unchecked (no validators): an unknown op, no
+# probe at all, a directory as --out after the work
+@example(inv=(["refine", "--db", GOOD, "--ops", "nope", "--no-isolate"], [["--ops"]], [],
+              [GOOD], None), rand_bytes=b"x")
+@example(inv=(["refine", "--db", GOOD, "--max-probes", "0", "--no-isolate"],
+              [["--max-probes"]], [], [GOOD], None), rand_bytes=b"x")
+@example(inv=(["refine", "--db", GOOD, "--out", DIR, "--no-isolate"], [["--out"]], [],
+              [GOOD], None), rand_bytes=b"x")
+@example(inv=(["refine", "--db", EMPTY, "--no-isolate"], [], [[EMPTY]], [], None),
          rand_bytes=b"x")
 # --threshold -1: ZeroDivisionError; --copy-mib -1: a negative tensor size
 @example(inv=(["diff", GOOD, GOOD, "--threshold", "-1"], [["--threshold"]], [], [], None),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from ..store import DEFAULT_DB
@@ -34,6 +35,25 @@ def _console(quiet=False):
 
 class UsageError(ValueError):
     """An argument that parses but cannot be used on this machine; one line, exit 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a command: the one line to print (what was saved, how to go on)."""
+
+
+#: exit status after Ctrl-C (128 + SIGINT), as a shell reports a process it interrupted
+EXIT_INTERRUPTED = 130
+
+
+def _interruptible(what):
+    """Run ``what()``; a Ctrl-C becomes :class:`Interrupted` with the line
+    ``note()`` returns (a zero-argument callable: the counts are read when it happens)."""
+    def wrap(fn, note):
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            raise Interrupted(note()) from None
+    return wrap(*what)
 
 
 def _device(a) -> str:
@@ -150,11 +170,18 @@ def cmd_candidates(a) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     from .render import render_candidates
-    render_candidates(doc, m.policy.prefer)
+    render_candidates(doc, m.policy.prefer, wide=a.wide)
     return 0
 
 
+def _group(kw) -> str:
+    """What a progress line is about: the op and its shape (and dtype) when known."""
+    sig = kw.get("signature")
+    return f"{kw['op']} [{sig}] {kw.get('dtype') or ''}".rstrip() if sig else kw["op"]
+
+
 def cmd_calibrate(a) -> int:
+    from ..store.hints import freeze_command
     from ..tune.calibrate import calibrate
     from ..tune.race import Settings
     from .render import progress_bar
@@ -163,30 +190,40 @@ def cmd_calibrate(a) -> int:
     settings = Settings(device=dev, parity_floor=a.parity_floor, margin=a.margin,
                         cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
-    prog = progress_bar(con, "calibrating", a.quiet or a.json)
+    prog = progress_bar(con, "calibrate", a.quiet or a.json)
     task = None
+    saved = 0
 
     def progress(event, **kw):
-        nonlocal task
+        nonlocal task, saved
         if event == "start":
             task = prog.add_task(a.model, total=kw["total"])
         elif event in ("band", "skip"):
+            saved += event == "band"
             w = kw.get("winner")
             desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
                                                      (" (cached)" if event == "skip" else ""))
-            prog.update(task, advance=1, description=desc)
+            prog.update(task, advance=1, description=desc, group=_group(kw),
+                        group_done=kw.get("last", False))
 
-    with prog:
-        res = calibrate(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
-                        settings=settings, ops=a.ops.split(",") if a.ops else None,
-                        force=a.force, progress=progress, isolate=a.isolate,
-                        candidate_timeout=a.candidate_timeout)
+    def run():
+        with prog:
+            return calibrate(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
+                             settings=settings, ops=a.ops.split(",") if a.ops else None,
+                             force=a.force, progress=progress, isolate=a.isolate,
+                             candidate_timeout=a.candidate_timeout)
+
+    res = _interruptible((run, lambda: f"interrupted: {saved} bands saved; rerun the same "
+                                       f"command to resume"))
     if a.json:
         print(json.dumps(res.as_dict(), indent=1))
     else:
         con.print(f"calibrated {res.workload.model} on {res.device['name']}: "
                   f"{res.measured} bands measured, {res.skipped} already in the DB, "
                   f"{res.wall_s:.1f} s → {res.db_path}")
+        db = shlex.quote(str(res.db_path))
+        con.print(f"next: `fltune report --db {db}` (what won where), then "
+                  f"`{freeze_command(res.db_path)}` (the manifest the vLLM plugin serves)")
     return 0
 
 
@@ -221,7 +258,7 @@ def cmd_report(a) -> int:
     if a.json:
         print(json.dumps(rep, indent=1, default=str))
     else:
-        render_report(rep)
+        render_report(rep, wide=a.wide)
     return 0
 
 
@@ -248,9 +285,14 @@ def cmd_serve(a) -> int:
     return serve(a.db or a.manifest, strict=a.strict, vllm_args=args)
 
 
-def _progress(con, title, disabled):
+def _progress(con, title, disabled, unit="bands"):
     from .render import progress_bar
-    return progress_bar(con, title, disabled)
+    return progress_bar(con, title, disabled, unit)
+
+
+def _measured_only(cmd: str):
+    return lambda: (f"interrupted: nothing saved ({cmd} writes no DB); rerun the same "
+                    f"command to start again")
 
 
 def _write_json(doc, out):
@@ -274,13 +316,18 @@ def cmd_bench(a) -> int:
         if event == "start":
             task = prog.add_task(a.model, total=kw["total"])
         else:
-            prog.update(task, advance=1, description=f"{kw['op']} ≤{kw['band'].hi}")
+            prog.update(task, advance=1, description=f"{kw['op']} ≤{kw['band'].hi}",
+                        group=_group({**(kw.get("record") or {}), "op": kw["op"]}))
 
-    with prog:
-        doc = bench.run_bench(a.model, a.db, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
-                              settings=settings, ops=a.ops.split(",") if a.ops else None,
-                              device=a.db_device, isolate=a.isolate,
-                              candidate_timeout=a.candidate_timeout, progress=progress)
+    def run():
+        with prog:
+            return bench.run_bench(a.model, a.db, tp=a.tp, dtype=a.dtype,
+                                   max_tokens=a.max_tokens, settings=settings,
+                                   ops=a.ops.split(",") if a.ops else None,
+                                   device=a.db_device, isolate=a.isolate,
+                                   candidate_timeout=a.candidate_timeout, progress=progress)
+
+    doc = _interruptible((run, _measured_only("bench")))
     _write_json(doc, a.out)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
@@ -305,13 +352,18 @@ def cmd_verify(a) -> int:
             task = prog.add_task(a.db, total=kw["total"])
         else:
             r = kw["record"]
-            prog.update(task, advance=1, description=f"{r['op']} ≤{r['band_hi']}: {r['status']}")
+            prog.update(task, advance=1, description=f"{r['op']} ≤{r['band_hi']}: {r['status']}",
+                        group=_group(r))
 
-    with prog:
-        doc = verify.run_verify(a.db, device=a.device, ops=a.ops.split(",") if a.ops else None,
-                                noise_floor=a.noise_floor, reps=a.reps, budget_s=a.budget,
-                                isolate=a.isolate, candidate_timeout=a.candidate_timeout,
-                                progress=progress)
+    def run():
+        with prog:
+            return verify.run_verify(a.db, device=a.device,
+                                     ops=a.ops.split(",") if a.ops else None,
+                                     noise_floor=a.noise_floor, reps=a.reps, budget_s=a.budget,
+                                     isolate=a.isolate, candidate_timeout=a.candidate_timeout,
+                                     progress=progress)
+
+    doc = _interruptible((run, _measured_only("verify")))
     _write_json(doc, a.out)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
@@ -325,24 +377,33 @@ def cmd_refine(a) -> int:
     from .render import render_refine
 
     con = _console(a.quiet or a.json)
-    prog = _progress(con, "refine", a.quiet or a.json)
+    prog = _progress(con, "refine", a.quiet or a.json, unit="pairs")
     task = None
+    saved = 0
 
     def progress(event, **kw):
-        nonlocal task
+        nonlocal task, saved
         if event == "start":
             task = prog.add_task(a.db, total=kw["total"])
         elif event == "probe":
             prog.update(task, description=f"{kw['op']} @{kw['tokens']} tokens")
         elif event == "pair":
             r = kw["record"]
+            saved += r["status"] == "refined"
             prog.update(task, advance=1, description=f"{r['op']} ≤{r['lower_hi']}|≤{r['upper_hi']}: "
-                                                     f"{r['status']}")
+                                                     f"{r['status']}",
+                        group=f"{_group(r)} ≤{r['lower_hi']}|≤{r['upper_hi']} {r['status']}",
+                        group_done=True)
 
-    with prog:
-        doc = crossover.refine(a.db, device=a.device, ops=a.ops.split(",") if a.ops else None,
-                               model=a.model, force=a.force, max_probes=a.max_probes,
-                               isolate=a.isolate, progress=progress)
+    def run():
+        with prog:
+            return crossover.refine(a.db, device=a.device,
+                                    ops=a.ops.split(",") if a.ops else None, model=a.model,
+                                    force=a.force, max_probes=a.max_probes, isolate=a.isolate,
+                                    candidate_timeout=a.candidate_timeout, progress=progress)
+
+    doc = _interruptible((run, lambda: f"interrupted: {saved} crossovers saved; rerun the "
+                                       f"same command to resume"))
     _write_json(doc, a.out)
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
@@ -360,158 +421,182 @@ def cmd_diff(a) -> int:
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
     else:
-        render_diff(doc, all_bands=a.all)
+        render_diff(doc, all_bands=a.all, wide=a.wide)
     return 0
 
 
 def _isolate_args(c, what: str = "race") -> None:
     """``--no-isolate`` and ``--candidate-timeout``: where the races run (see
-    ``tune/worker.py``); the same two flags for calibrate, bench and verify."""
+    ``tune/worker.py``); the same two flags for calibrate, refine, bench and verify."""
     c.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help=f"{what} in this process instead of a supervised worker (faster start; "
                         "a crashing candidate then ends the run)")
     c.add_argument("--candidate-timeout", type=_float_in(0.0, 86400.0, lo_open=True),
                    default=120.0,
-                   help="seconds without progress before a candidate counts as hung")
+                   help="seconds without progress before a candidate counts as hung "
+                        "(default 120)")
+
+
+MODEL_HELP = ("a built-in profile name (in fltune/profiles, package data: Qwen3.5-0.8B, "
+              "Qwen3-0.6B, tiny-qwen3, ...), a model directory or its config.json")
+DB_HELP = f"calibration DB (default: {DEFAULT_DB}; FLTUNE_DB_PATH overrides it)"
+JSON_HELP = "print the result as a JSON document on stdout instead of tables"
+QUIET_HELP = "no progress and no messages on stderr"
+WIDE_HELP = "the full table with every column, however wide (default: fit the terminal)"
+DB_DEVICE_HELP = ("the DB's device (key prefix or name, optionally @DRIVER; default: this "
+                  "machine's)")
+OUT_HELP = "also write the JSON document to this file"
 
 
 def _add_candidates(sub) -> None:
     c = sub.add_parser("candidates", help="every op x candidate on this machine")
-    c.add_argument("--json", action="store_true")
-    c.add_argument("--dtype", default="bf16", type=_dtype_arg)
-    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
+    c.add_argument("--dtype", default="bf16", type=_dtype_arg,
+                   help="dtype to qualify for: bf16 (default), fp16, fp32")
+    c.add_argument("--device", choices=["cpu", "cuda"],
+                   help="device to qualify for (default: cuda when available, else cpu)")
+    c.add_argument("--wide", action="store_true", help=WIDE_HELP)
     c.set_defaults(fn=cmd_candidates)
 
 
 def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure a model's workload into the DB")
-    c.add_argument("--model", required=True,
-                   help="built-in profile name (calibrate/profiles), a model dir or config.json")
-    c.add_argument("--db", default=DEFAULT_DB, help=f"calibration DB (default: {DEFAULT_DB})")
+    c.add_argument("--model", required=True, help=MODEL_HELP)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
     c.add_argument("--dtype", type=_dtype_arg,
                    help="override the config's dtype (bf16, fp16, fp32)")
     c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
                    help="largest token band (default 16384 on GPU, 2048 on CPU)")
-    c.add_argument("--parity-floor", type=_float_in(0.0, 1.0), default=0.99)
+    c.add_argument("--parity-floor", type=_float_in(0.0, 1.0), default=0.99,
+                   help="fraction of output elements that must match the reference within "
+                        "tolerance (default 0.99)")
     c.add_argument("--margin", type=_float_in(0.0, 1.0), default=0.03,
-                   help="win margin (default 3%%)")
+                   help="win margin: candidates this close to the fastest compete on "
+                        "precision (default 0.03)")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
     c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
                    help="timing samples (0 = adaptive)")
     c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
-                   help="seconds of timing per candidate when adaptive")
+                   help="seconds of timing per candidate when adaptive (default 0.05)")
     c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
-    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.add_argument("--device", choices=["cpu", "cuda"],
+                   help="device to calibrate (default: cuda when available, else cpu)")
     c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
     _isolate_args(c)
-    c.add_argument("--quiet", action="store_true")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_calibrate)
 
 
 def _add_freeze(sub) -> None:
     c = sub.add_parser("freeze", help="DB -> frozen dispatch manifest")
-    c.add_argument("--db", default=DEFAULT_DB)
-    c.add_argument("--out", required=True, type=_out_arg)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
+    c.add_argument("--out", required=True, type=_out_arg,
+                   help="the manifest file to write (JSON, e.g. manifest.json)")
     c.add_argument("--device", help="device key prefix or name (default: this machine)")
     c.add_argument("--strict", action="store_true", help="refuse if the stack changed")
     c.add_argument("--order", choices=["measured", "fl"], default="measured",
                    help="what each band picks: the measured winner (default) or the fixed FL "
                         "order's pick (a baseline manifest for A/B runs)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true",
+                   help="print the output path, fingerprint and warnings as JSON")
     c.set_defaults(fn=cmd_freeze)
 
 
 def _add_report(sub) -> None:
     c = sub.add_parser("report", help="what won where, against the fixed FL order")
-    c.add_argument("--db", default=DEFAULT_DB)
-    c.add_argument("--device")
-    c.add_argument("--op", type=_op_arg)
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
+    c.add_argument("--device", help=DB_DEVICE_HELP)
+    c.add_argument("--op", type=_op_arg, help="only this op's tables")
+    c.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_report)
 
 
 def _add_devices(sub) -> None:
     c = sub.add_parser("devices", help="device keys held by a DB")
-    c.add_argument("--db", default=DEFAULT_DB)
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_devices)
 
 
 def _add_serve(sub) -> None:
     c = sub.add_parser("serve", help="run vLLM's OpenAI server with a calibrated DB")
-    c.add_argument("--db")
-    c.add_argument("--manifest")
+    c.add_argument("--db", help="calibration DB to freeze for this device before starting")
+    c.add_argument("--manifest", help="a manifest from `fltune freeze` (instead of --db)")
     c.add_argument("--strict", action="store_true",
                    help="refuse to start without a calibration for this device")
-    c.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    c.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                   help="after --: the arguments of `vllm serve` (e.g. -- --model DIR)")
     c.set_defaults(fn=cmd_serve)
 
 
 def _add_bench(sub) -> None:
     c = sub.add_parser("bench", help="manifest pick vs fixed FL order vs every backend vs "
                                      "the oracle, measured now")
-    c.add_argument("--model", required=True,
-                   help="built-in profile name (calibrate/profiles), a model dir or config.json")
-    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--model", required=True, help=MODEL_HELP)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
     c.add_argument("--db-device", help="the DB's device row to freeze (key prefix or name; "
                                        "default: this machine's)")
-    c.add_argument("--tp", type=int, default=1)
-    c.add_argument("--dtype", type=_dtype_arg)
+    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
+    c.add_argument("--dtype", type=_dtype_arg,
+                   help="override the config's dtype (bf16, fp16, fp32)")
     c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
                    help="largest token band (default 16384 on GPU, 2048 on CPU)")
     c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of the workload's ops")
     c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
                    help="timing samples (0 = adaptive)")
     c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
-                   help="seconds of timing per candidate when adaptive")
+                   help="seconds of timing per candidate when adaptive (default 0.05)")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
     c.add_argument("--copy-mib", type=_int_in(1, 1 << 20),
                    help="copy-bandwidth buffer in MiB (default 1024 GPU, 256 CPU)")
-    c.add_argument("--device", choices=["cpu", "cuda"])
+    c.add_argument("--device", choices=["cpu", "cuda"],
+                   help="device to measure on (default: cuda when available, else cpu)")
     _isolate_args(c, "race")
-    c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
-    c.add_argument("--quiet", action="store_true")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--out", type=_out_arg, help=OUT_HELP)
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_bench)
 
 
 def _add_verify(sub) -> None:
     c = sub.add_parser("verify", help="re-measure the DB's winners now; exit 1 if stale")
-    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
     c.add_argument("--device", help="the DB's device row (key prefix or name, @DRIVER); must "
                                     "be this machine's device (default: this machine's)")
     c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
     c.add_argument("--noise-floor", type=_float_in(0.0), default=0.10,
                    help="smallest relative change counted as drift (default 0.10)")
-    c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0)
-    c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05)
+    c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
+                   help="timing samples (0 = adaptive)")
+    c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
+                   help="seconds of timing per candidate when adaptive (default 0.05)")
     c.add_argument("--all", action="store_true", help="show every band, not only drifted ones")
     _isolate_args(c, "race")
-    c.add_argument("--out", type=_out_arg, help="also write the JSON document to this file")
-    c.add_argument("--quiet", action="store_true")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--out", type=_out_arg, help=OUT_HELP)
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_verify)
 
 
 def _add_refine(sub) -> None:
     c = sub.add_parser("refine", help="bisect the token count where neighbouring bands' "
                                       "winners cross; the edges go into the DB and the manifest")
-    c.add_argument("--db", default=DEFAULT_DB)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
     c.add_argument("--device", help="the DB's device row (key prefix or name); must be this "
                                     "machine's device (default: this machine's)")
-    c.add_argument("--ops", help="comma-separated subset of ops")
-    c.add_argument("--model", help="only the tables of this model's workload (profile name, "
-                                   "model dir or config.json)")
-    c.add_argument("--max-probes", type=int, default=6,
+    c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of ops")
+    c.add_argument("--model", help="only the tables of this model's workload (" + MODEL_HELP
+                                   + ")")
+    c.add_argument("--max-probes", type=_int_in(1, 64), default=6,
                    help="most probes per pair of bands (default 6)")
     c.add_argument("--force", action="store_true", help="re-measure crossovers already stored")
-    c.add_argument("--no-isolate", dest="isolate", action="store_false",
-                   help="time in this process instead of a supervised worker")
-    c.add_argument("--out", help="also write the JSON document to this file")
-    c.add_argument("--quiet", action="store_true")
-    c.add_argument("--json", action="store_true")
+    _isolate_args(c, "time")
+    c.add_argument("--out", type=_out_arg, help=OUT_HELP)
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_refine)
 
 
@@ -524,7 +609,8 @@ def _add_diff(sub) -> None:
     c.add_argument("--threshold", type=_float_in(0.0), default=0.05,
                    help="winner-time ratio beyond which a band counts as moved (default 0.05)")
     c.add_argument("--all", action="store_true", help="show every band")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--wide", action="store_true", help=WIDE_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_diff)
 
 
@@ -551,6 +637,12 @@ def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     try:
         return a.fn(a)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (DBError, ModelConfigError, PolicyError, ManifestError, StackMismatch,
             UsageError) as e:
         print(f"fltune: error: {e}", file=sys.stderr)

@@ -23,16 +23,28 @@ from ..util import short_name as short
 
 
 
-def wide_console(width: int = 150):
-    """A rich console for tables: the terminal's width when there is one, else ``width``
-    (rich falls back to 80 columns when stdout is a pipe, which wraps every table)."""
+def wide_console(width: int = 150, wide: bool = False):
+    """A rich console for tables: ``COLUMNS`` when set, else the terminal's width, else
+    ``width`` (rich falls back to 80 columns when stdout is a pipe, which wraps every
+    table). ``wide`` (``--wide``): no width limit, so the full tables print unwrapped."""
+    import os
+    if wide:
+        return Console(width=WIDE, soft_wrap=True)
+    cols = os.environ.get("COLUMNS", "")
+    if cols.isdigit() and int(cols) > 0:
+        return Console(width=int(cols))
     console = Console()
     return console if console.is_terminal else Console(width=width)
 
 
+#: the console width ``--wide`` prints at (wide enough that no table shrinks)
+WIDE = 1000
+
+
 def err_console(quiet: bool = False) -> Console:
-    """Messages and progress go to stderr, so stdout carries only the document."""
-    return Console(stderr=True, quiet=quiet)
+    """Messages and progress go to stderr, so stdout carries only the document. Lines are
+    not cut at the width (a log file gets each message whole)."""
+    return Console(stderr=True, quiet=quiet, soft_wrap=True)
 
 
 def _x(v, good_above=None):
@@ -44,24 +56,154 @@ def _x(v, good_above=None):
     return s
 
 
-def progress_bar(con, title: str, disabled: bool) -> Progress:
-    return Progress(TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(),
-                    MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
-                    TimeRemainingColumn(), console=con, disable=disabled)
+def _fmt_s(s: float) -> str:
+    s = max(0.0, s)
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
-def render_candidates(doc: dict, prefer: str) -> None:
-    t = Table(title=f"fltune candidates on {doc['device']} ({doc['dtype']}); FL order = policy "
-                    f"prefer={prefer}")
-    for c in ("op", "candidate (FL order)", "kind/prio", "qualified", "why not", ""):
-        t.add_column(c)
+class PlainProgress:
+    """Progress for a log file or a pipe: one plain line per finished group (an op's table
+    in calibrate, an op in bench/verify, a pair in refine) with the counts, the elapsed
+    time and an ETA, instead of a live bar that a pipe cannot redraw.
+
+    Same calls as rich's ``Progress`` (``add_task``, ``update(advance=, description=)``);
+    ``update`` also takes ``group`` (what the line is about) and ``group_done`` (the group
+    just finished: print its line now; otherwise a line is printed when the group changes
+    and at the end)."""
+
+    def __init__(self, con, title: str, disabled: bool, unit: str = "bands"):
+        self.con, self.title, self.disabled, self.unit = con, title, disabled, unit
+        self.total = self.done = 0
+        self.group = None
+        self.group_n = 0
+        self.t0 = None
+
+    def __enter__(self):
+        import time
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is None:
+            self._line()
+        return False
+
+    def add_task(self, description, total=None, **kw):
+        self.total = total or 0
+        return 0
+
+    def _line(self):
+        import time
+        if self.disabled or self.group is None or not self.group_n:
+            return
+        el = time.perf_counter() - (self.t0 or time.perf_counter())
+        eta = el / self.done * (self.total - self.done) if self.done else 0.0
+        print(f"{self.title} {self.group}: {self.group_n} {self.unit}; {self.done}/"
+              f"{self.total} {self.unit} done, {_fmt_s(el)} elapsed, ETA {_fmt_s(eta)}",
+              file=self.con.file, flush=True)
+        self.group_n = 0
+
+    def update(self, task, advance=0, description=None, group=None, group_done=False, **kw):
+        if group is not None and group != self.group:
+            self._line()
+            self.group = group
+        self.done += advance
+        self.group_n += advance
+        if group_done:
+            self._line()
+
+
+def progress_bar(con, title: str, disabled: bool, unit: str = "bands"):
+    """A live rich bar on a terminal; :class:`PlainProgress` lines when stderr is a pipe or a
+    file; nothing when ``disabled`` (``--quiet``, ``--json``)."""
+    if not disabled and not con.is_terminal:
+        return PlainProgress(con, title, disabled, unit)
+    return _RichProgress(TextColumn(f"[bold]{title}[/] {{task.description}}"), BarColumn(),
+                         MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                         TimeRemainingColumn(), console=con, disable=disabled)
+
+
+class _RichProgress(Progress):
+    """rich's Progress that ignores the :class:`PlainProgress` grouping arguments."""
+
+    def update(self, task_id, *, group=None, group_done=False, **kw):
+        super().update(task_id, **kw)
+
+
+def _legend(console, entries: dict, shown) -> None:
+    """One line per column shown: what it means (wrapped to the console's width)."""
+    console.print("[dim]columns:[/]")
+    for c in shown:
+        if entries.get(c):
+            console.print(f"  [bold]{escape(c)}[/]: {escape(entries[c])}")
+
+
+def _narrow_table(**kw) -> Table:
+    """A table for 80 columns: no outer edges, no vertical rules, one space of padding."""
+    from rich import box
+    return Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1),
+                 collapse_padding=True, **kw)
+
+
+def _fits(console, tables) -> bool:
+    """Every table fits the console at its natural width (no column shrunk or cut)."""
+    free = Console(width=WIDE)
+    return all(free.measure(t).maximum <= console.width for t in tables)
+
+
+CANDIDATES_LEGEND = {
+    "op": "the op (fltune/ops); candidates listed in the fixed FL order's order",
+    "candidate (FL order)": "implementation id (backend.kind), in the fixed FL order",
+    "candidate": "implementation id (backend.kind), in the fixed FL order",
+    "kind/prio": "FL kind (default, vendor, reference) and priority within it",
+    "qualified": "yes: it can run on this device and dtype",
+    "ok": "yes: it can run on this device and dtype",
+    "why not": "the reason a candidate does not qualify here",
+    "FL pick": "← marks what the fixed FL order (vllm-plugin-FL) runs for the op",
+}
+
+
+def render_candidates(doc: dict, prefer: str, wide: bool = False) -> None:
+    console = wide_console(wide=wide)
+    title = (f"fltune candidates on {doc['device']} ({doc['dtype']}); FL order = policy "
+             f"prefer={prefer}")
+    full = Table(title=title)
+    cols = ("op", "candidate (FL order)", "kind/prio", "qualified", "why not", "FL pick")
+    for c in cols:
+        full.add_column(c)
     for o in doc["ops"]:
         for k, c in enumerate(o["candidates"]):
-            t.add_row(o["op"] if k == 0 else "", c["impl_id"], f"{c['kind']}/{c['priority']}",
-                      "[green]yes[/]" if c["qualified"] else "[red]no[/]", c["reason"] or "",
-                      "[bold]← FL pick[/]" if c["impl_id"] == o["fl_pick"] else "")
-        t.add_section()
-    wide_console().print(t)
+            full.add_row(o["op"] if k == 0 else "", c["impl_id"], f"{c['kind']}/{c['priority']}",
+                         "[green]yes[/]" if c["qualified"] else "[red]no[/]", c["reason"] or "",
+                         "[bold]← FL pick[/]" if c["impl_id"] == o["fl_pick"] else "")
+        full.add_section()
+    if wide or _fits(console, [full]):
+        console.print(full)
+        shown = cols
+    else:
+        # 80 columns: the op as a heading row, its candidates under it; reasons wrap
+        width = max(len(c["impl_id"]) for o in doc["ops"] for c in o["candidates"])
+        t = _narrow_table(title=title, title_justify="left")
+        shown = ("candidate", "kind/prio", "ok", "FL pick", "why not")
+        t.add_column("candidate", min_width=width, no_wrap=True)
+        t.add_column("kind/prio", no_wrap=True)
+        t.add_column("ok", no_wrap=True)
+        t.add_column("FL pick", no_wrap=True)
+        t.add_column("why not", overflow="fold", ratio=1)
+        for o in doc["ops"]:
+            t.add_row(f"[bold]{o['op']}[/]", "", "", "", "")
+            for c in o["candidates"]:
+                t.add_row("  " + c["impl_id"], f"{c['kind']}/{c['priority']}",
+                          "[green]yes[/]" if c["qualified"] else "[red]no[/]",
+                          "[bold]←[/]" if c["impl_id"] == o["fl_pick"] else "",
+                          escape(c["reason"] or ""))
+        console.print(t)
+        shown = ("op",) + shown
+    _legend(console, CANDIDATES_LEGEND, shown)
     for src, name, err in doc["discovery"]["failed"]:
         Console(stderr=True).print(f"[yellow]backend {name} ({src}) failed to load: {err}[/]")
 
@@ -78,9 +220,57 @@ def render_devices(rows: list, db: str) -> None:
     Console().print(t)
 
 
-def render_report(rep: dict, console=None) -> None:
+#: the report's columns (name, justify); REPORT_NARROW: those kept at 80 columns
+REPORT_COLUMNS = (("tokens", "right"), ("winner", "left"), ("µs", "right"),
+                  ("runner-up", "left"), ("gap", "right"), ("noise", "right"),
+                  ("FL pick", "left"), ("FL µs", "right"), ("vs FL", "right"),
+                  ("parity", "right"), ("GB/s", "right"))
+REPORT_NARROW = ("tokens", "winner", "µs", "runner-up", "gap", "noise", "FL pick", "vs FL")
+REPORT_LEGEND = {
+    "tokens": "the band: the token counts it covers (measured at its top edge)",
+    "winner": "the measured pick (fastest; within the win margin, the most precise)",
+    "µs": "the winner's median time per call, in microseconds",
+    "runner-up": "the next candidate in the race",
+    "gap": "how much slower the runner-up is than the winner",
+    "noise": "the band's timing spread, (p90 - p10) / median, largest of the winner and the "
+             "two fastest; yellow, and ? after the winner: undecided (the noise exceeds the "
+             "gap and the win margin, so the pick rests on precision, then FL order)",
+    "FL pick": "what the fixed FL order (vllm-plugin-FL's priorities) runs; ✗ or "
+               "(outcome): it fails parity or raises there",
+    "FL µs": "the FL pick's median time per call",
+    "vs FL": "FL pick's time / winner's time: the speedup of the measured pick",
+    "parity": "fraction of the winner's output within tolerance of the fp64/fp32 reference",
+    "GB/s": "bytes the op moves per call / the winner's time",
+}
+
+
+def _report_cells(r: dict) -> dict:
+    """One report row's cells by column (``col/narrow``: the 80-column form)."""
+    fl = short(r["fl_pick"])
+    bad_fl = r["fl_outcome"] and r["fl_outcome"] != "timed"
+    sp = r["speedup_vs_fl"]
+    return {
+        "tokens": (f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"]
+                   else str(r["band_hi"])),
+        "winner": short(r["winner"]) + (" [yellow]?[/]" if r.get("undecided") else ""),
+        "noise": ("—" if r.get("band_noise") is None else
+                  f"[yellow]{fmt_noise(r['band_noise'])}[/]" if r.get("undecided")
+                  else fmt_noise(r["band_noise"])),
+        "µs": fmt_us(r["winner_us"]),
+        "runner-up": short(r["runner_up"]),
+        "gap": "—" if r["gap"] is None else f"{r['gap']:+.1%}",
+        "FL pick": fl + (f" ({r['fl_outcome']})" if bad_fl else ""),
+        "FL pick/narrow": fl + (" [red]✗[/]" if bad_fl else ""),
+        "FL µs": fmt_us(r["fl_us"]),
+        "vs FL": "—" if sp is None else (f"[green]{sp:.2f}x[/]" if sp > 1.03 else f"{sp:.2f}x"),
+        "parity": "—" if r["parity"] is None else f"{r['parity']:.4f}",
+        "GB/s": "—" if r["gbps"] is None else f"{r['gbps']:.1f}",
+    }
+
+
+def render_report(rep: dict, console=None, wide: bool = False) -> None:
     if console is None:
-        console = wide_console(150)
+        console = wide_console(150, wide=wide)
     d = rep["device"]
     run = rep["run"]
     st = rep["stack"]
@@ -95,32 +285,33 @@ def render_report(rep: dict, console=None) -> None:
     groups = defaultdict(list)
     for r in rep["rows"]:
         groups[(r["op"], r["signature"], r["dtype"])].append(r)
+    full, narrow = [], []
     for (op, sig, dt), rows in groups.items():
         # escape: rich would read "[eps=1e-06,hidden=64]" as markup and drop it
-        t = Table(title=escape(f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step"),
-                  title_justify="left")
-        for col, just in (("tokens", "right"), ("winner", "left"), ("µs", "right"),
-                          ("runner-up", "left"), ("gap", "right"), ("noise", "right"),
-                          ("FL pick", "left"),
-                          ("FL µs", "right"), ("vs FL", "right"), ("parity", "right"),
-                          ("GB/s", "right")):
+        title = escape(f"{op}  [{sig}]  {dt}  ×{rows[0]['weight']}/step")
+        cells = [_report_cells(r) for r in rows]
+        t = Table(title=title, title_justify="left")
+        for col, just in REPORT_COLUMNS:
             t.add_column(col, justify=just)
-        for r in rows:
-            fl = short(r["fl_pick"])
-            if r["fl_outcome"] and r["fl_outcome"] != "timed":
-                fl += f" ({r['fl_outcome']})"
-            sp = r["speedup_vs_fl"]
-            sp_s = "—" if sp is None else (f"[green]{sp:.2f}x[/]" if sp > 1.03 else f"{sp:.2f}x")
-            t.add_row(f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"] else str(r["band_hi"]),
-                      short(r["winner"]) + (" [yellow]?[/]" if r.get("undecided") else ""),
-                      fmt_us(r["winner_us"]), short(r["runner_up"]),
-                      "—" if r["gap"] is None else f"{r['gap']:+.1%}",
-                      ("—" if r.get("band_noise") is None else
-                       f"[yellow]{fmt_noise(r['band_noise'])}[/]" if r.get("undecided")
-                       else fmt_noise(r["band_noise"])), fl, fmt_us(r["fl_us"]), sp_s,
-                      "—" if r["parity"] is None else f"{r['parity']:.4f}",
-                      "—" if r["gbps"] is None else f"{r['gbps']:.1f}")
+        for c in cells:
+            t.add_row(*(c[col] for col, _ in REPORT_COLUMNS))
+        full.append(t)
+        n = _narrow_table(title=title, title_justify="left")
+        for col, just in REPORT_COLUMNS:
+            if col in REPORT_NARROW:
+                n.add_column(col, justify=just, no_wrap=True)
+        for c in cells:
+            n.add_row(*(c.get(col + "/narrow", c[col]) for col, _ in REPORT_COLUMNS
+                        if col in REPORT_NARROW))
+        narrow.append(n)
+    use_full = wide or _fits(console, full)
+    for t in (full if use_full else narrow):
         console.print(t)
+    shown = [c for c, _ in REPORT_COLUMNS if use_full or c in REPORT_NARROW]
+    _legend(console, REPORT_LEGEND, shown)
+    if not use_full:
+        console.print("  [dim](--wide adds " + ", ".join(
+            c for c, _ in REPORT_COLUMNS if c not in REPORT_NARROW) + ")[/]")
     s = rep["summary"]
     ws = s["weighted_speedup_vs_fl"]
     console.print(f"[bold]summary[/]: {s['bands']} bands; measured pick differs from the fixed FL "
@@ -152,7 +343,6 @@ def _noise_warning(console, rep: dict) -> None:
         console.print(escape(f"  the machine was loaded during the newest run ({len(loaded)} of "
                              f"{len(probes)} noise probes: {loaded[-1]['loaded']})"))
     console.print(escape(f"  way out: {rep['way_out']}"))
-
 
 
 def render_bench(doc: dict, console=None) -> None:
@@ -265,42 +455,91 @@ def render_verify(doc: dict, console=None, all_bands: bool = False) -> None:
         console.print(t)
     counts = ", ".join(f"{v} {k}" for k, v in sorted(doc["counts"].items()))
     if doc["stale"]:
+        from ..store.hints import calibrate_command
+        cmds = doc.get("recalibrate") or [calibrate_command(doc["db"], force=True)]
         console.print(f"[bold red]stale[/]: {doc['stale_bands']} of {doc['checked']} bands drifted "
-                      f"({counts}); re-measure with `fltune calibrate --model "
-                      f"{(doc.get('models') or ['MODEL'])[-1]} --db {doc['db']} --force`")
+                      f"({counts}); re-measure with " + " and ".join(
+                          f"`{escape(c)}`" for c in cmds))
     else:
         console.print(f"[bold green]ok[/]: {doc['checked']} bands re-measured, none drifted "
                       f"({counts}), {doc['wall_s']:.1f} s")
 
 
-def render_diff(doc: dict, console=None, all_bands: bool = False) -> None:
+DIFF_LEGEND = {
+    "op": "the op", "signature": "the op's shape signature (the table's key)",
+    "dtype": "the table's dtype",
+    "tokens": "the band: the token counts it covers",
+    "status": "same / changed (winner differs) / moved (same winner, its time moved "
+              "beyond the threshold) / only_a, only_b (band in one side only)",
+    "A winner": "A's measured pick", "A µs": "its median time per call on A",
+    "B winner": "B's measured pick", "B µs": "its median time per call on B",
+    "B/A": "B's winner time / A's winner time",
+    "A's pick on B": "where the winner changed: A's pick timed on B / B's winner "
+                     "(what keeping A's choice would cost on B)",
+    "A on B": "where the winner changed: A's pick timed on B / B's winner "
+              "(what keeping A's choice would cost on B)",
+    "B's pick on A": "where the winner changed: B's pick timed on A / A's winner",
+    "B on A": "where the winner changed: B's pick timed on A / A's winner",
+}
+DIFF_COLUMNS = ("op", "signature", "dtype", "tokens", "status", "A winner", "A µs",
+                "B winner", "B µs", "B/A", "A's pick on B", "B's pick on A")
+DIFF_NARROW = {"A's pick on B": "A on B", "B's pick on A": "B on A"}
+
+
+def _diff_cells(r: dict) -> dict:
+    st = r["status"]
+    a, b = r["a"] or {}, r["b"] or {}
+    return {"op": r["op"], "signature": escape(r["signature"]), "dtype": r["dtype"],
+            "tokens": (f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"]
+                       else str(r["band_hi"])),
+            "status": f"[yellow]{st}[/]" if st != "same" else ("moved" if r["time_moved"] else st),
+            "A winner": short(a.get("impl_id")), "A µs": fmt_us(a.get("us")),
+            "B winner": short(b.get("impl_id")), "B µs": fmt_us(b.get("us")),
+            "B/A": _x(r.get("time_ratio")), "A's pick on B": _x(r.get("a_pick_on_b")),
+            "B's pick on A": _x(r.get("b_pick_on_a"))}
+
+
+def _diff_justify(c: str) -> str:
+    return "right" if ("µs" in c or c in ("tokens", "B/A") or " on " in c) else "left"
+
+
+def render_diff(doc: dict, console=None, all_bands: bool = False, wide: bool = False) -> None:
 
     if console is None:
-        console = wide_console(160)
+        console = wide_console(160, wide=wide)
 
     def lab(s):
         d = s["device"]
-        return f"{s['db']}: {d['name']} [{d['device_key']}] driver {d['driver']}"
+        return escape(f"{s['db']}: {d['name']} [{d['device_key']}] driver {d['driver']}")
     console.print(f"[bold]fltune diff[/]\n  A = {lab(doc['a'])}\n  B = {lab(doc['b'])}")
     rows = doc["rows"] if all_bands else [r for r in doc["rows"]
                                           if r["status"] != "same" or r["time_moved"]]
     if rows:
-        t = Table(title="all bands" if all_bands else "bands that differ", title_justify="left")
-        for c in ("op", "signature", "dtype", "tokens", "status", "A winner", "A µs", "B winner",
-                  "B µs", "B/A", "A's pick on B", "B's pick on A"):
-            t.add_column(c, justify="right" if ("µs" in c or c in ("tokens", "B/A") or
-                                                "pick on" in c) else "left")
+        title = "all bands" if all_bands else "bands that differ"
+        full = Table(title=title, title_justify="left")
+        for c in DIFF_COLUMNS:
+            full.add_column(c, justify=_diff_justify(c), no_wrap=True)
+        groups: dict = {}
         for r in rows:
-            st = r["status"]
-            a, b = r["a"] or {}, r["b"] or {}
-            ratio = r.get("time_ratio")
-            t.add_row(r["op"], r["signature"], r["dtype"],
-                      f"{r['band_lo']}–{r['band_hi']}" if r["band_lo"] != r["band_hi"] else str(r["band_hi"]),
-                      f"[yellow]{st}[/]" if st != "same" else ("moved" if r["time_moved"] else st),
-                      short(a.get("impl_id")), fmt_us(a.get("us")), short(b.get("impl_id")),
-                      fmt_us(b.get("us")), _x(ratio), _x(r.get("a_pick_on_b")),
-                      _x(r.get("b_pick_on_a")))
-        console.print(t)
+            cells = _diff_cells(r)
+            full.add_row(*(cells[c] for c in DIFF_COLUMNS))
+            groups.setdefault((r["op"], r["signature"], r["dtype"]), []).append(cells)
+        if wide or _fits(console, [full]):
+            console.print(full)
+            shown = DIFF_COLUMNS
+        else:
+            # 80 columns: one table per (op, signature, dtype), the signature whole in its
+            # title (a cut signature made two tables read the same)
+            console.print(f"[bold]{title}[/]")
+            shown = [DIFF_NARROW.get(c, c) for c in DIFF_COLUMNS[3:]]
+            for (op, sig, dt), cells in groups.items():
+                t = _narrow_table(title=escape(f"{op}  [{sig}]  {dt}"), title_justify="left")
+                for c in shown:
+                    t.add_column(c, justify=_diff_justify(c), no_wrap=True)
+                for cl in cells:
+                    t.add_row(*(cl[c] for c in DIFF_COLUMNS[3:]))
+                console.print(t)
+        _legend(console, DIFF_LEGEND, shown)
     s = doc["summary"]
     w = s["weighted_time_ratio_b_over_a"]
     console.print(f"[bold]summary[/]: {s['common']} bands in both; winner changed in "
@@ -330,7 +569,7 @@ def render_refine(doc: dict, console=None) -> None:
     for r in doc["pairs"]:
         st = r["status"] + ("" if r.get("converged") in (None, True) else " (probe cap)")
         if r.get("reason") and r["status"] in ("failed", "skipped"):
-            st += f": {r['reason'][:60]}"
+            st += " (why: below)"
         t.add_row(r["op"], escape(r["signature"]), r["dtype"],
                   f"{r['lower_lo']}-{r['lower_hi']} | {r['upper_lo']}-{r['upper_hi']}",
                   short(r["impl_below"]), short(r["impl_above"]), str(r["old_edge"]),
@@ -338,6 +577,11 @@ def render_refine(doc: dict, console=None) -> None:
                   str(len(r["probes"])), pct(r["gap_before"]), pct(r["gap_after"]),
                   escape(st))
     console.print(t)
+    # the reasons whole, below the table: they name the command that fixes them
+    for r in doc["pairs"]:
+        if r.get("reason") and r["status"] in ("failed", "skipped"):
+            console.print(f"{r['status']}: {escape(r['op'])} ≤{r['lower_hi']}|≤{r['upper_hi']}: "
+                          f"{escape(r['reason'])}")
     s = doc["summary"]
     console.print(f"{s['pairs']} pairs ({', '.join(f'{k} {v}' for k, v in sorted(s['status'].items()))}); "
                   f"{s['edges_moved']} edges moved; oracle gap over the probe points, "

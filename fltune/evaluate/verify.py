@@ -32,6 +32,7 @@ from ..ops import dtype_from_name
 from ..store import CalibrationDB
 from ..store import device as devmod
 from ..store.device import device_row_for_this_machine
+from ..store.hints import calibrate_command
 from ..freeze import stack_differences
 from ..tune.bands import Band
 from ..tune.race import WIN_MARGIN, Settings
@@ -89,13 +90,20 @@ def run_verify(db_path: str, *, device: Optional[str] = None, ops: Optional[list
             if progress:
                 progress("band", record=rec)
     stale = [b for b in bands_out if b["status"] != "ok"]
+    # the way out: per model whose bands drifted, the command that re-measures it
+    recal = []
+    for w, b in zip(winners, bands_out):
+        if b["status"] != "ok" and w.get("run_id") in runs:
+            cmd = calibrate_command(db_path, runs[w["run_id"]], force=True)
+            if cmd not in recal:
+                recal.append(cmd)
     counts: dict = {}
     for b in bands_out:
         counts[b["status"]] = counts.get(b["status"], 0) + 1
     return {"format": "fltune.verify/1", "db": str(db_path), "device": me, "db_device": row,
             "stack": now_stack, "models": models, "notes": notes, "noise_floor": noise_floor,
             "bands": bands_out, "counts": counts, "stale": bool(stale),
-            "stale_bands": len(stale), "checked": len(bands_out),
+            "stale_bands": len(stale), "checked": len(bands_out), "recalibrate": recal,
             "wall_s": round(time.perf_counter() - t0, 3)}
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from collections import defaultdict
 from typing import Optional
@@ -34,6 +35,7 @@ from ..ops import get_op
 from ..store import CalibrationDB, DBError, band_key
 from ..store import device as devmod
 from ..store.device import resolve_device
+from ..store.hints import calibrate_hint
 from ..tune.bands import BAND_RULE
 from ..tune.crossover import crossover_valid
 
@@ -86,9 +88,12 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         winners = db.winners(dev["device_key"], dev["driver"])
         if not winners:
             raise DBError(f"{db_path} has no winners for {dev['name']} [{dev['device_key']}] "
-                          f"driver {dev['driver']}; run `fltune calibrate --db {db_path}`")
+                          f"driver {dev['driver']}; run "
+                          f"`{calibrate_hint(db, dev['device_key'], dev['driver'], force=True)}`")
         stacks = db.stacks_of_winners(dev["device_key"], dev["driver"])
-        warnings = _stack_warnings(stacks, db_path, strict) if check_stack else []
+        warnings = (_stack_warnings(stacks, db_path, strict,
+                                    calibrate_hint(db, dev["device_key"], dev["driver"]))
+                    if check_stack else [])
         # one read of the device's measurements serves the FL picks, the native compiled
         # times and the launch floor below
         by_band = db.measurements_by_band(dev["device_key"], dev["driver"])
@@ -130,7 +135,8 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         db.close()
 
 
-def _stack_warnings(stacks: dict, db_path: str, strict: bool) -> list[str]:
+def _stack_warnings(stacks: dict, db_path: str, strict: bool,
+                    recalibrate: str) -> list[str]:
     """One warning per recorded stack that differs from the running one (``strict``:
     raise instead), naming the command that re-measures."""
     warnings = []
@@ -139,8 +145,9 @@ def _stack_warnings(stacks: dict, db_path: str, strict: bool) -> list[str]:
         diff = stack_differences(st, now)
         if diff:
             msg = (f"software stack changed since calibration ({'; '.join(diff)}): the "
-                   f"measured winners may no longer be the fastest; re-run `fltune "
-                   f"calibrate --db {db_path}` (or `fltune verify`)")
+                   f"measured winners may no longer be the fastest; re-measure with "
+                   f"`{recalibrate}` (or check them with `fltune verify --db "
+                   f"{shlex.quote(str(db_path))}`)")
             if strict:
                 raise StackMismatch(msg)
             warnings.append(msg)

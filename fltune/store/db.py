@@ -184,8 +184,9 @@ class CalibrationDB:
         p = Path(self.path)
         if not p.exists():
             if not create:
+                from .hints import calibrate_command
                 raise DBError(f"calibration DB {self.path} does not exist; create it with "
-                              f"`fltune calibrate --db {self.path} --model NAME`")
+                              f"`{calibrate_command(self.path)}`")
             p.parent.mkdir(parents=True, exist_ok=True)
         elif p.is_dir():
             raise DBError(f"{self.path} is a directory, not a calibration DB file")

@@ -143,6 +143,7 @@ def resolve_device(db, device: Optional[str], *, flag: str = "--device",
     machine's device and driver (or, with ``sole``, the DB's only device). Raises
     ``DBError`` naming the devices the DB holds when it is not exactly one."""
     from .db import DBError
+    from .hints import calibrate_hint
     rows = db.devices()
     if device is None:
         if sole and len(rows) == 1:
@@ -157,8 +158,9 @@ def resolve_device(db, device: Optional[str], *, flag: str = "--device",
                           f"{describe_rows(rows)}")
         raise DBError(f"{db.path} holds no calibration for this device "
                       f"({label(me)} [{me['device_key']}]). Devices in it: "
-                      f"{describe_rows(rows)}. Calibrate this device (`fltune calibrate "
-                      f"--db {db.path} --model NAME`) or name one with {flag}")
+                      f"{describe_rows(rows)}. Calibrate this device "
+                      f"(`{calibrate_hint(db, device_type=me.get('device_type'))}`) or name one "
+                      f"with {flag}")
     hits = match_devices(rows, device)
     if len(hits) != 1:
         raise DBError(f"{flag} {device!r} matches {len(hits)} devices in {db.path} (key "

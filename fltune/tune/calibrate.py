@@ -78,7 +78,8 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     db = CalibrationDB(db_path)
     db.upsert_device(dev)
     run_id = db.start_run(dev, workload.model, workload.dtype, tp,
-                          {**settings.recorded(), "max_tokens": max_tokens}, stack, skey)
+                          {**settings.recorded(), "max_tokens": max_tokens,
+                           **({"ops": sorted(ops)} if ops else {})}, stack, skey)
     result = CalibrationResult(db_path, run_id, dev, workload)
     watch = noisemod.Watch(db, run_id, dev, settings.device,
                            warn or (lambda line: print(line, file=sys.stderr, flush=True)),
@@ -99,7 +100,8 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                                          item.dtype, band.hi):
                 result.skipped += 1
                 if progress:
-                    progress("skip", op=item.op, band=band)
+                    progress("skip", op=item.op, band=band, signature=sig, dtype=item.dtype,
+                             last=band is band_list[-1])
                 continue
             if probed_item is not item:
                 if probed_item is not None:
@@ -122,9 +124,13 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                                                            "band_hi", "impl_id", "median_us",
                                                            "undecided")})
             if progress:
-                progress("band", op=item.op, band=band, winner=win)
+                progress("band", op=item.op, band=band, winner=win, signature=sig,
+                         dtype=item.dtype, last=band is band_list[-1])
         watch.probe("end")
         status = "done"
+    except KeyboardInterrupt:
+        status = "interrupted"      # every finished band is saved; a rerun resumes
+        raise
     finally:
         result.noise = watch.as_dict()
         result.worker_restarts = pool.restarts

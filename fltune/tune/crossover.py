@@ -53,6 +53,7 @@ from ..ops import dtype_from_name
 from ..store import CalibrationDB, DBError
 from ..store import device as devmod
 from ..store.device import device_row_for_this_machine
+from ..store.hints import calibrate_hint
 from .bands import Band
 from .race import Settings
 from .worker import racer
@@ -258,9 +259,9 @@ def _refine_pair(db, row, run_id, skey, registry, pool, lower, upper, stored, *,
     old = stored.get((lower["op"], lower["signature"], lower["dtype"], lower["band_hi"]))
     if lower["stack_key"] != skey or upper["stack_key"] != skey:
         rec["status"], rec["reason"] = "skipped", (
-            "software stack changed since these bands were calibrated; re-run "
-            "`fltune calibrate` first (a crossover measured with another stack would "
-            "not describe these winners)")
+            "software stack changed since these bands were calibrated; re-measure with "
+            f"`{calibrate_hint(db, row['device_key'], row['driver'])}` first (a crossover "
+            "measured with another stack would not describe these winners)")
         return rec
     if old is not None and not force and crossover_valid(old, lower, upper):
         rec.update({"new_edge": old["edge_tokens"], "probes": old["probes"],
@@ -316,6 +317,13 @@ def refine(db_path: str, *, device: Optional[str] = None, ops: Optional[list] = 
 
     t0 = time.perf_counter()
     registry = (manager or get_default_manager()).registry
+    # find the device with a reader first: a writer would migrate a file that holds no
+    # calibration for this device (an empty file would become an fltune DB) before refusing
+    reader = CalibrationDB(db_path, create=False)
+    try:
+        device_row_for_this_machine(reader, device)
+    finally:
+        reader.close()
     db = CalibrationDB(db_path, create=False, write=True)
     pool = None
     run_id = None

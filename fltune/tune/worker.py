@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict
 from typing import Optional
@@ -62,6 +63,13 @@ def _from_wire(w: dict, impls: dict) -> Verdict:
 
 
 def _worker_main(conn, env: dict):
+    # Ctrl-C reaches the whole process group: the supervisor handles it (kills this
+    # worker, says what was saved); the worker itself must neither die on it mid-message
+    # nor print a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the supervisor stopping it after Ctrl-C) exits through Python's cleanup,
+    # so what the race created (semaphores of compile pools, ...) is released, not leaked
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     os.environ.update(env)
     from ..dispatch.manager import OpManager
     from ..ops import dtype_from_name
@@ -142,17 +150,29 @@ class WorkerPool:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child, self.env), daemon=True,
                            name="fltune-worker")
-        proc.start()
-        child.close()
-        if not parent.poll(READY_TIMEOUT_S):
-            proc.kill()
-            raise RuntimeError("fltune worker did not start within "
-                               f"{READY_TIMEOUT_S} s")
+        # the child starts with SIGINT ignored (an ignored signal stays ignored across
+        # exec, and Python then installs no KeyboardInterrupt handler): a Ctrl-C while it
+        # imports torch would otherwise print its traceback
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, old)
+        child.close()
+        try:
+            if not parent.poll(READY_TIMEOUT_S):
+                proc.kill()
+                raise RuntimeError("fltune worker did not start within "
+                                   f"{READY_TIMEOUT_S} s")
             parent.recv()
         except EOFError:
             proc.join(5)
             raise RuntimeError(f"fltune worker failed to start ({_describe_exit(proc.exitcode)})")
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.join(10)
+            parent.close()
+            raise
         self.proc, self.conn = proc, parent
 
     def _kill(self):
@@ -164,6 +184,14 @@ class WorkerPool:
             self.conn.close()
         self.proc = self.conn = None
 
+    def _stop(self, grace_s: float = 10.0):
+        """Stop the worker now, through its own exit (SIGTERM) when it takes one within
+        ``grace_s``, else killed."""
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(grace_s)
+        self._kill()
+
     def close(self):
         if self.conn is not None and self.proc is not None and self.proc.is_alive():
             try:
@@ -174,6 +202,13 @@ class WorkerPool:
         self._kill()
 
     def adjudicate(self, op, dims, dtype, band: Band, impls, settings: Settings) -> Verdict:
+        try:
+            return self._adjudicate(op, dims, dtype, band, impls, settings)
+        except KeyboardInterrupt:
+            self._stop()        # Ctrl-C: the worker ignores it; do not wait for its race
+            raise
+
+    def _adjudicate(self, op, dims, dtype, band: Band, impls, settings: Settings) -> Verdict:
         by_id = {i.impl_id: i for i in impls}
         refused: dict = {}
         for i in impls:

@@ -1,0 +1,82 @@
+"""The commands fltune prints as a way out: complete and runnable, never a template.
+
+Why here: an error that says "re-run ``fltune calibrate --db X``" fails when followed
+(``--model`` is required), and "``--model NAME``" makes the user guess. The DB knows which
+model was calibrated (its ``runs`` table), so a hint built from it is a command a person
+can paste. ``tests/test_first_hour.py`` provokes each hint on a real DB and runs it.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Optional
+
+#: the model a hint names when the DB cannot say (no DB yet, or no run in it): the first
+#: built-in profile README's first hour calibrates
+DEFAULT_MODEL = "Qwen3.5-0.8B"
+
+
+def _q(s) -> str:
+    return shlex.quote(str(s))
+
+
+def last_run(db, device_key: Optional[str] = None, driver: Optional[str] = None) -> Optional[dict]:
+    """The latest calibration run in ``db`` (for this device and driver, when given)."""
+    try:
+        runs = db.runs(device_key)
+    except Exception:       # a DB too broken to read runs from: no hint beyond the default
+        return None
+    if driver is not None:
+        runs = [r for r in runs if r.get("driver") == driver] or runs
+    return runs[-1] if runs else None
+
+
+def _settings(run: dict) -> dict:
+    try:
+        s = json.loads(run.get("settings") or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return s if isinstance(s, dict) else {}
+
+
+def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool = True,
+                      force: bool = False) -> str:
+    """``fltune calibrate`` for ``db_path`` that repeats ``run`` (its model, dtype, tp, op
+    subset and, for the same kind of device, its ``--max-tokens``), or names
+    :data:`DEFAULT_MODEL` when there is no run to repeat."""
+    parts = ["fltune", "calibrate", "--model", _q(run["model"] if run else DEFAULT_MODEL),
+             "--db", _q(db_path)]
+    if run:
+        if run.get("dtype"):
+            parts += ["--dtype", _q(run["dtype"])]
+        if run.get("tp") and int(run["tp"]) != 1:
+            parts += ["--tp", str(int(run["tp"]))]
+        st = _settings(run)
+        if st.get("ops"):
+            parts += ["--ops", _q(",".join(st["ops"]))]
+        if same_device and st.get("max_tokens"):
+            parts += ["--max-tokens", str(int(st["max_tokens"]))]
+    if force:
+        parts.append("--force")
+    return " ".join(parts)
+
+
+def calibrate_hint(db, device_key: Optional[str] = None, driver: Optional[str] = None, *,
+                   device_type: Optional[str] = None, force: bool = False) -> str:
+    """The command that (re)calibrates ``db`` (an open :class:`CalibrationDB`) for the
+    device ``device_key`` / ``driver``, repeating its last run there. With no run for that
+    device: the DB's last run of any device, with its ``--max-tokens`` only when that run
+    was on the same kind of device (``device_type``: cpu, cuda)."""
+    run = last_run(db, device_key, driver) if device_key else None
+    same = run is not None
+    if run is None:
+        run = last_run(db)
+        same = bool(run and device_type and _settings(run).get("device") == device_type)
+    return calibrate_command(db.path, run, same_device=same, force=force)
+
+
+def freeze_command(db_path, out: str = "manifest.json", device: Optional[str] = None) -> str:
+    parts = ["fltune", "freeze", "--db", _q(db_path), "--out", _q(out)]
+    if device:
+        parts += ["--device", _q(device)]
+    return " ".join(parts)
