@@ -120,6 +120,27 @@ def test_what_takes_strided_inputs_on_cpu_is_not_routed_around(builtin_registry,
     assert p.passed and set(p.layouts.values()) == {"ok"}, p.layouts
 
 
+def test_every_declaration_answers_on_every_layout_on_any_machine(builtin_registry):
+    """Each candidate's ``supports`` is called with every serving layout of its op, also for
+    backends that cannot run here (FlagGems' rules are plain Python): a declaration that
+    crashes would only show on the machine that has the backend. CUDA rules are reached by
+    calling them with the device type they key on."""
+    for op, spec in OPS.items():
+        tidy = spec.make_inputs(4, dict(spec.default_dims), BF16, "cpu",
+                                torch.Generator().manual_seed(0))
+        calls = [tidy] + [lay.build(tidy) for lay in spec.layouts if lay.applies(tidy)]
+        for impl in builtin_registry.get_implementations(op):
+            for args in calls:
+                why = impl.unsupported(args)
+                assert why is None or isinstance(why, str) and why, (op, impl.impl_id)
+            rules = getattr(impl.supports, "__closure__", None) or ()
+            for cell in rules:        # by_device(...): also run the CUDA branch's checks
+                if isinstance(cell.cell_contents, dict) and "cuda" in cell.cell_contents:
+                    for args in calls:
+                        why = cell.cell_contents["cuda"](*args)
+                        assert why is None or isinstance(why, str), (op, impl.impl_id)
+
+
 # ---- the race ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", ["rms_norm", "gemma_rms_norm", "fused_add_rms_norm",

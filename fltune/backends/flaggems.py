@@ -78,8 +78,9 @@ def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
 # stride, per-head views and an fp32 weight; the gated activations and rope take any strides
 # (pointwise kernels over strided halves and views); the Gemma fused-add adapter packs its
 # copies before the in-place kernel.
-_SUPPORTS = {"rms_norm": unit_last_stride(0), "gemma_rms_norm": unit_last_stride(0),
-             "fused_add_rms_norm": contiguous(0, 1),
+_SUPPORTS = {"rms_norm": requires(unit_last_stride(0)),
+             "gemma_rms_norm": requires(unit_last_stride(0)),
+             "fused_add_rms_norm": requires(contiguous(0, 1)),
              "rotary_embedding": requires(unit_last_stride(1, 2), two_dims(1, 2))}
 
 _FNS = {"rms_norm": rms_norm, "fused_add_rms_norm": fused_add_rms_norm,
