@@ -23,15 +23,17 @@ from ..util import short_name as short
 
 
 
-def wide_console(width: int = 150, wide: bool = False):
-    """A rich console for tables: ``COLUMNS`` when set, else the terminal's width, else
-    ``width`` (rich falls back to 80 columns when stdout is a pipe, which wraps every
-    table). ``wide`` (``--wide``): no width limit, so the full tables print unwrapped."""
+def wide_console(width: int = 150, wide: bool = False, fit: bool = False):
+    """A rich console for tables: the terminal's width when there is one, else ``width``
+    (rich falls back to 80 columns when stdout is a pipe, which wraps every table).
+    ``fit``: the renderer has a narrow layout (report, diff, candidates), so ``COLUMNS``,
+    when set, is the width even on a pipe. ``wide`` (``--wide``): no width limit, so the
+    full tables print unwrapped."""
     import os
     if wide:
         return Console(width=WIDE, soft_wrap=True)
     cols = os.environ.get("COLUMNS", "")
-    if cols.isdigit() and int(cols) > 0:
+    if fit and cols.isdigit() and int(cols) > 0:
         return Console(width=int(cols))
     console = Console()
     return console if console.is_terminal else Console(width=width)
@@ -168,7 +170,7 @@ CANDIDATES_LEGEND = {
 
 
 def render_candidates(doc: dict, prefer: str, wide: bool = False) -> None:
-    console = wide_console(wide=wide)
+    console = wide_console(wide=wide, fit=True)
     title = (f"fltune candidates on {doc['device']} ({doc['dtype']}); FL order = policy "
              f"prefer={prefer}")
     full = Table(title=title)
@@ -270,7 +272,7 @@ def _report_cells(r: dict) -> dict:
 
 def render_report(rep: dict, console=None, wide: bool = False) -> None:
     if console is None:
-        console = wide_console(150, wide=wide)
+        console = wide_console(150, wide=wide, fit=True)
     d = rep["device"]
     run = rep["run"]
     st = rep["stack"]
@@ -506,7 +508,7 @@ def _diff_justify(c: str) -> str:
 def render_diff(doc: dict, console=None, all_bands: bool = False, wide: bool = False) -> None:
 
     if console is None:
-        console = wide_console(160, wide=wide)
+        console = wide_console(160, wide=wide, fit=True)
 
     def lab(s):
         d = s["device"]
