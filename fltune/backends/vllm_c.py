@@ -22,7 +22,16 @@ from ._util import (by_device, contiguous, dtype_reason, import_reason, last_dim
 VENDOR = "vllm"
 
 
+@functools.lru_cache(maxsize=None)
+def _load_kernels() -> None:
+    """vLLM registers its ``_C`` ops when ``vllm._custom_ops`` is imported. Qualification
+    does that in a calibrating process, but a process that only freezes a manifest and
+    dispatches (a served model, a script) must not depend on it having happened."""
+    import vllm._custom_ops  # noqa: F401
+
+
 def _C():
+    _load_kernels()
     return torch.ops._C
 
 

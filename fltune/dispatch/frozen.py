@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import bisect
 import copy
+import logging
 import os
 import threading
 from typing import Optional
 
 from .types import UnsupportedCallError
+
+log = logging.getLogger("fltune.dispatch")
 from .manifest import (MANIFEST_FORMAT, Manifest, ManifestError,  # noqa: F401  (re-exported)
                        canonical_json, fingerprint_of, load_manifest, verify_manifest)
 
@@ -134,7 +137,11 @@ def _reroute(op_name: str, chain: tuple, strict: bool, counts: dict):
             for alt in chain:
                 if alt is not impl and alt.unsupported(args) is None:
                     key = (op_name, impl.impl_id, alt.impl_id)
-                    counts[key] = counts.get(key, 0) + 1
+                    n = counts.get(key, 0)
+                    counts[key] = n + 1
+                    if n == 0:     # once per route: a served model makes such calls often
+                        log.warning("fltune: %s: the frozen pick %s declines some calls (%s); "
+                                    "those go to %s", op_name, impl.impl_id, why, alt.impl_id)
                     return alt
         raise UnsupportedCallError(
             f"{op_name}: the frozen pick {impl.impl_id} does not take this call ({why}); "

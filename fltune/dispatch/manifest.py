@@ -188,7 +188,7 @@ class Manifest:
             ops = {op: OpEntry.from_json(e) for op, e in d["ops"].items()}
         except (KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"{source}: malformed manifest ({type(e).__name__}: {e}); "
-                                f"re-create it with `fltune freeze`") from None
+                                f"re-create it with {refreeze_command(d, source)}") from None
         return cls(device=d.get("device") or {}, driver=d.get("driver"), ops=ops,
                    stack=d.get("stack", []), policy=d.get("policy", {}),
                    order=d.get("order", "measured"),
@@ -218,18 +218,30 @@ def fingerprint_of(manifest: dict) -> str:
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()
 
 
+def refreeze_command(manifest, out) -> str:
+    """A complete ``fltune freeze`` command that writes ``out`` again: from the DB the
+    manifest says it was frozen from when that is known, else from the default DB (which
+    ``fltune freeze`` itself uses without ``--db``). Hints must run as printed."""
+    src = manifest.get("source_db") if isinstance(manifest, dict) else None
+    db = src.get("path") if isinstance(src, dict) else None
+    target = out if out and out not in ("manifest",) and not str(out).startswith(
+        "manifest frozen") else "manifest.json"
+    return f"`fltune freeze{f' --db {db}' if db else ''} --out {target}`"
+
+
 def verify_manifest(manifest: dict, source: str = "manifest") -> None:
     """The format is one this fltune reads, and the content matches its fingerprint."""
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ManifestError(f"{source}: not an fltune manifest (format "
                             f"{manifest.get('format') if isinstance(manifest, dict) else '?'!r}, "
-                            f"expected {MANIFEST_FORMAT!r}); make one with `fltune freeze`")
+                            f"expected {MANIFEST_FORMAT!r}); make one with "
+                            f"{refreeze_command(None, source)}")
     want = manifest.get("fingerprint")
     got = fingerprint_of(manifest)
     if want != got:
         raise ManifestError(f"{source}: fingerprint mismatch (recorded {str(want)[:12]}, content "
                             f"{got[:12]}): the file was edited after freezing; re-run "
-                            f"`fltune freeze` instead of editing it")
+                            f"{refreeze_command(manifest, source)} instead of editing it")
 
 
 def load_manifest(path: str) -> dict:
@@ -238,11 +250,11 @@ def load_manifest(path: str) -> dict:
         with open(path) as f:
             m = json.load(f)
     except FileNotFoundError:
-        raise ManifestError(f"manifest {path} not found; create it with `fltune freeze --db "
-                            f"DB --out {path}`") from None
+        raise ManifestError(f"manifest {path} not found; create it with "
+                            f"{refreeze_command(None, path)}") from None
     except json.JSONDecodeError as e:
         raise ManifestError(f"manifest {path} is not valid JSON ({e}); re-create it with "
-                            f"`fltune freeze`") from None
+                            f"{refreeze_command(None, path)}") from None
     verify_manifest(m, path)
     return m
 

@@ -286,7 +286,8 @@ class _CountersWriter:
             snap = ops.counters()
             if not force and snap == self._last:
                 return
-            body = dict(RECORD, counters=snap, written_at=time.time())
+            body = dict(RECORD, counters=snap, rerouted=ops.rerouted(),
+                        written_at=time.time())
             tmp = f"{self.path}.{os.getpid()}.tmp"
             try:
                 d = os.path.dirname(os.path.abspath(self.path))

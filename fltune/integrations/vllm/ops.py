@@ -62,6 +62,16 @@ def counters() -> dict:
     return out
 
 
+def rerouted() -> dict:
+    """``{op: {"declined -> taken": calls}}``: calls the band's pick declined (a strided
+    view, an odd width, a dtype mix: ``OpImpl.supports``) and another candidate served."""
+    fd = frozen.current()
+    out: dict = {}
+    for (op, declined, taken), n in sorted((fd.rerouted if fd else {}).items()):
+        out.setdefault(op, {})[f"{declined} -> {taken}"] = n
+    return out
+
+
 def reset_counters() -> None:
     CALL_COUNTS.clear()
 

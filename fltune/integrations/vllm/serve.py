@@ -48,8 +48,9 @@ def resolve(path: str, strict: bool = False) -> tuple:
     """(manifest dict, manifest file path, source text) for a manifest or a DB path."""
     p = Path(path)
     if not p.exists():
-        raise ServeError(f"{path} does not exist (expected a calibration DB or a manifest "
-                         f"from `fltune freeze`)")
+        raise ServeError(f"{path} does not exist (expected a calibration DB, e.g. from "
+                         f"`fltune calibrate --model Qwen3.5-0.8B --db {path}`, or a manifest "
+                         f"from `fltune freeze --out {path}`)")
     if not _is_sqlite(p):
         return frozen.load_manifest(str(p)), str(p.resolve()), str(p)
     manifest = plugin.freeze_db(str(p), strict=strict)
