@@ -320,5 +320,13 @@ def test_calibration_beside_a_cpu_hog_warns_and_flags(tmp_path):
     winners = _rows(path, "select * from winners")
     assert winners and all(w["undecided"] in (0, 1) for w in winners)
     undecided = [w for w in winners if w["undecided"]]
-    assert len(undecided) == doc["undecided"] >= 1
+    assert len(undecided) == doc["undecided"]
     assert all(w["reason"].startswith("undecided") for w in undecided)
+    # a hog does not make every band's noise exceed its gap (how many it flips depends on
+    # the scheduler), so the flags are checked against the rule, not counted: each stored
+    # flag follows the rule on the stored measurements
+    for w in winners:
+        ms = _rows(path, "select * from measurements where op=? and signature=? and band_hi=?",
+                   (w["op"], w["signature"], w["band_hi"]))
+        nz, fast, second = noise.band_noise(ms, w["impl_id"])
+        assert bool(w["undecided"]) == noise.judge(fast, second, nz, MARGIN)
