@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...dispatch import frozen
-from ...dispatch.manifest import Table
+from ...dispatch.manifest import Manifest, OpEntry
 from . import ops
 from .config import (ADDITIONAL_CONFIG_KEY, ENV_COUNTERS, ENV_COUNTERS_INTERVAL,  # noqa: F401
                      ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, ROUTE_CONFIG_KEY, ROUTE_MODES,
@@ -114,6 +114,8 @@ class Plan:
     #: op -> FusionVerdict, for the routed ops: whether to route it when Inductor compiles
     fusion: dict = field(default_factory=dict)
     route: str = "auto"
+    #: the same manifest, typed (``dispatch.manifest.Manifest``): what the plan reads
+    typed: Optional[Manifest] = field(default=None, compare=False, repr=False)
 
     def routes(self, op_name: str, compiled: bool) -> bool:
         """Whether ``op_name`` goes through fltune's custom op in this vLLM configuration."""
@@ -140,14 +142,13 @@ class FusionVerdict:
 
 
 
-def fusion_verdict(entry: dict, launch_floor_us: Optional[float]) -> FusionVerdict:
+def fusion_verdict(entry: OpEntry, launch_floor_us: Optional[float]) -> FusionVerdict:
     """Weigh the op's decode-mix win over the native compiled path against one kernel launch
     (see the module docstring). Tables are weighted by their calls per token. Without the
     data (a manifest frozen before points were kept, or no Inductor time measured) the op
     stays routed, as the manifest says."""
     num = den = 0.0
-    for t in entry.get("tables", []):
-        table = Table.from_json(t)
+    for table in entry.tables:
         w = float(table.weight or 1)
         for tokens in DECODE_MIX:
             p = table.point_at(tokens)
@@ -231,13 +232,6 @@ def _describe_device(manifest: dict) -> str:
     return str(dev)
 
 
-def band_winners(entry: dict) -> list:
-    """The implementations an op's manifest entry picks: every band's, or the fallback
-    when the op has no measured band."""
-    ids = [b["impl_id"] for t in entry.get("tables", []) for b in t.get("bands", [])]
-    return ids or [entry["fallback"]]
-
-
 def build_plan(manifest: dict, source: str, *, device_type: str,
                capability: Optional[tuple] = None, strict: bool = False,
                exact_device: bool = False, registry=None,
@@ -252,6 +246,7 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
     from ...ops import dtype_from_name
 
     frozen.verify_manifest(manifest, source)
+    typed = Manifest.from_json(manifest, source, verify=False)
     want = _manifest_device_type(manifest)
     if want is not None and want != device_type:
         raise FltunePluginError(
@@ -272,11 +267,10 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
         raise FltunePluginError(f"{source}: {e.args[0] if e.args else e}") from None
 
     problems = []
-    for op_name, entry in manifest["ops"].items():
-        dtypes = {t["dtype"] for t in entry.get("tables", [])} or {"bf16"}
-        checks = {(b["impl_id"], t["dtype"]) for t in entry.get("tables", [])
-                  for b in t.get("bands", [])}
-        checks |= {(entry["fallback"], d) for d in dtypes}
+    for op_name, entry in typed.ops.items():
+        dtypes = {t.dtype for t in entry.tables} or {"bf16"}
+        checks = {(b.impl_id, t.dtype) for t in entry.tables for b in t.bands}
+        checks |= {(entry.fallback, d) for d in dtypes}
         for impl_id, dt in sorted(checks):
             why = registry.get(op_name, impl_id).qualify(
                 QualifyContext(device_type, dtype_from_name(dt), capability))
@@ -289,16 +283,16 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
             + ". Was it frozen for another device?")
 
     routed, native, unseamed, fusion = {}, [], [], {}
-    for op_name, entry in sorted(manifest["ops"].items()):
-        winners = band_winners(entry)
+    for op_name, entry in sorted(typed.ops.items()):
+        winners = entry.impl_ids()
         if all(w.startswith(NATIVE_PREFIX) for w in winners):
             native.append(op_name)
         elif op_name not in ops.SEAMED_OPS:
             unseamed.append(op_name)
         else:
             routed[op_name] = tuple(dict.fromkeys(winners))
-            fusion[op_name] = fusion_verdict(entry, manifest.get("launch_floor_us"))
-    return Plan(manifest=manifest, source=source, fingerprint=manifest["fingerprint"],
+            fusion[op_name] = fusion_verdict(entry, typed.launch_floor_us)
+    return Plan(manifest=manifest, typed=typed, source=source, fingerprint=typed.fingerprint,
                 routed=routed, native=tuple(native), unseamed=tuple(unseamed),
                 strict=strict, settings=settings, device_checked=exact_device,
                 fusion=fusion, route=settings.route if settings is not None else "auto")
@@ -307,7 +301,8 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
 def plan_table(plan: Plan) -> str:
     """One compact line per op: its bands and the implementation each picks."""
     lines = [f"fltune manifest {plan.fingerprint[:12]} ({plan.source})"]
-    for op_name, entry in sorted(plan.manifest["ops"].items()):
+    typed = plan.typed or Manifest.from_json(plan.manifest, plan.source, verify=False)
+    for op_name, entry in sorted(typed.ops.items()):
         state = ("routed" if op_name in plan.routed else
                  "native (vLLM's path)" if op_name in plan.native else
                  "no vLLM seam")
@@ -316,11 +311,11 @@ def plan_table(plan: Plan) -> str:
             state += (" (compiled: routed)" if verdict.route_compiled
                       else " (compiled: native)")
         tables = []
-        for t in entry.get("tables", []):
-            bands = " ".join(f"[{b['lo']},{b['hi']}]={b['impl_id']}" for b in t["bands"])
-            tables.append(f"{t['dtype']} {'x'.join(map(str, t['trailing']))}: {bands}")
+        for t in entry.tables:
+            bands = " ".join(f"[{b.lo},{b.hi}]={b.impl_id}" for b in t.bands)
+            tables.append(f"{t.dtype} {'x'.join(map(str, t.trailing))}: {bands}")
         body = "; ".join(tables) if tables else "(no bands)"
-        lines.append(f"  {op_name:<26} {state:<21} {body}  else {entry['fallback']}")
+        lines.append(f"  {op_name:<26} {state:<21} {body}  else {entry.fallback}")
         if verdict is not None and plan.route == "auto":
             lines.append(f"  {'':<26} {verdict.why}")
     return "\n".join(lines)
