@@ -299,11 +299,9 @@ class SeamMixin:
         return getattr(self, "_fltune_routes", frozenset())
 
 
-def _build_layer_classes() -> dict:
-    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+def _norm_classes() -> dict:
+    """Replacements of vLLM's RMSNorm, GemmaRMSNorm and RMSNormGated."""
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
     class FltuneRMSNorm(SeamMixin, RMSNorm):
         _fltune_ops = LAYER_OPS["RMSNorm"]
@@ -344,6 +342,32 @@ def _build_layer_classes() -> dict:
                 return out.view(shape), res.view(residual.shape)
             return self._fltune_native(x, residual)
 
+    class FltuneRMSNormGated(SeamMixin, RMSNormGated):
+        """Qwen3.5's gated norm in the GDN layers: ``norm(x) * silu(z)`` (or the gate
+        first). Calls outside the op's contract (no gate, a bias, a sigmoid gate) stay on
+        vLLM's path."""
+        _fltune_ops = LAYER_OPS["RMSNormGated"]
+        _fltune_layer = "RMSNormGated"
+
+        def _fltune_forward(self, x, z=None):
+            if (z is None or getattr(self, "bias", None) is not None
+                    or self.activation not in ("silu", "swish") or z.shape != x.shape):
+                return self._fltune_native(x, z)
+            shape = x.shape
+            out = torch.ops.fltune.rms_norm_gated(
+                x.reshape(-1, shape[-1]), z.reshape(-1, shape[-1]), self.weight.data,
+                self.eps, int(self.group_size or 0), bool(self.norm_before_gate))
+            return out.view(shape)
+
+    return {"RMSNorm": (FltuneRMSNorm, RMSNorm),
+            "GemmaRMSNorm": (FltuneGemmaRMSNorm, GemmaRMSNorm),
+            "RMSNormGated": (FltuneRMSNormGated, RMSNormGated)}
+
+
+def _activation_classes() -> dict:
+    """Replacements of vLLM's SiluAndMul and GeluAndMul."""
+    from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
+
     class FltuneSiluAndMul(SeamMixin, SiluAndMul):
         _fltune_ops = LAYER_OPS["SiluAndMul"]
         _fltune_layer = "SiluAndMul"
@@ -365,6 +389,15 @@ def _build_layer_classes() -> dict:
             out = TORCH_OPS[op](x.reshape(-1, shape[-1]))
             return out.view(shape[:-1] + (shape[-1] // 2,))
 
+    return {"SiluAndMul": (FltuneSiluAndMul, SiluAndMul),
+            "GeluAndMul": (FltuneGeluAndMul, GeluAndMul)}
+
+
+def _rope_classes() -> dict:
+    """Replacements of vLLM's RotaryEmbedding and MRotaryEmbedding."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
     class FltuneRotaryEmbedding(SeamMixin, RotaryEmbedding):
         _fltune_ops = LAYER_OPS["RotaryEmbedding"]
         _fltune_layer = "RotaryEmbedding"
@@ -376,23 +409,6 @@ def _build_layer_classes() -> dict:
             torch.ops.fltune.rotary_embedding(positions, query, key, self.head_size,
                                               cos_sin_cache, self.is_neox_style)
             return query, key
-
-    class FltuneRMSNormGated(SeamMixin, RMSNormGated):
-        """Qwen3.5's gated norm in the GDN layers: ``norm(x) * silu(z)`` (or the gate
-        first). Calls outside the op's contract (no gate, a bias, a sigmoid gate) stay on
-        vLLM's path."""
-        _fltune_ops = LAYER_OPS["RMSNormGated"]
-        _fltune_layer = "RMSNormGated"
-
-        def _fltune_forward(self, x, z=None):
-            if (z is None or getattr(self, "bias", None) is not None
-                    or self.activation not in ("silu", "swish") or z.shape != x.shape):
-                return self._fltune_native(x, z)
-            shape = x.shape
-            out = torch.ops.fltune.rms_norm_gated(
-                x.reshape(-1, shape[-1]), z.reshape(-1, shape[-1]), self.weight.data,
-                self.eps, int(self.group_size or 0), bool(self.norm_before_gate))
-            return out.view(shape)
 
     class FltuneMRotaryEmbedding(SeamMixin, MRotaryEmbedding):
         """Qwen3.5's multimodal rope. Routed only for what the op covers: (3, N) positions,
@@ -411,16 +427,16 @@ def _build_layer_classes() -> dict:
                                    bool(getattr(self, "mrope_interleaved", False)))
             return query, key
 
-    classes = {"RMSNorm": (FltuneRMSNorm, RMSNorm),
-               "GemmaRMSNorm": (FltuneGemmaRMSNorm, GemmaRMSNorm),
-               "SiluAndMul": (FltuneSiluAndMul, SiluAndMul),
-               "GeluAndMul": (FltuneGeluAndMul, GeluAndMul),
-               "RotaryEmbedding": (FltuneRotaryEmbedding, RotaryEmbedding),
-               "RMSNormGated": (FltuneRMSNormGated, RMSNormGated),
-               "MRotaryEmbedding": (FltuneMRotaryEmbedding, MRotaryEmbedding)}
+    return {"RotaryEmbedding": (FltuneRotaryEmbedding, RotaryEmbedding),
+            "MRotaryEmbedding": (FltuneMRotaryEmbedding, MRotaryEmbedding)}
+
+
+def _build_layer_classes() -> dict:
+    """In-tree class name -> (replacement, in-tree class), one builder per layer family
+    (each imports only its part of vLLM)."""
+    classes = {**_norm_classes(), **_activation_classes(), **_rope_classes()}
     assert set(classes) == set(LAYER_OPS)
     return classes
-
 
 def layer_classes() -> dict:
     """In-tree class name -> (fltune replacement, in-tree class); built once (imports vLLM)."""
