@@ -6,6 +6,8 @@ Routes timed, each calling the *same* implementation, so the differences are dis
 
   direct            impl.fn(*args)                       (no dispatch: the floor)
   frozen_1band      FrozenDispatch.call(op, *args), a table with one band (no bisect)
+  frozen_1band_nocheck  the same, for the candidate with its ``supports`` declaration
+                    removed: the difference is the per-call support check
   frozen_15bands    FrozenDispatch.call(op, *args), 15 bands (bisect over 14 edges, as
                     the H200 manifest's unmerged tables have) — every band the same impl
   call_op_frozen    fltune.dispatch.call_op(op, *args) while frozen (module lookup + frozen)
@@ -27,6 +29,7 @@ dispatch_overhead.json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -83,9 +86,15 @@ def _routes(impl: OpImpl, registry: OpRegistry, args: list, device: str) -> dict
                          else None)
     assert mgr.resolve(OP, ctx) is impl, (mgr.resolve(OP, ctx).impl_id, impl.impl_id)
     fn = impl.fn
+    # the same candidate without its support declaration, in its own registry: what the
+    # per-call ``supports`` check costs, measured side by side
+    bare = OpRegistry()
+    bare.register(dataclasses.replace(impl, supports=None))
+    fd1_bare = FrozenDispatch(m1, bare)
     return {
         "direct": (lambda: fn(*args), None),
         "frozen_1band": (lambda: fd1.call(OP, *args), None),
+        "frozen_1band_nocheck": (lambda: fd1_bare.call(OP, *args), None),
         "frozen_15bands": (lambda: fd15.call(OP, *args), None),
         "call_op_frozen": (lambda: call_op(OP, *args), m15),
         "call_op": (lambda: mgr.call_op(OP, *args), None),

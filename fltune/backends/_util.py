@@ -113,7 +113,10 @@ def by_device(key_arg=0, **rules):
     builds are different kernels with different limits (``cpu=...``, ``cuda=...``; a device
     with no entry is unsupported)."""
     def supports(*args):
-        dev = args[key_arg].device.type
+        t = args[key_arg]
+        # is_cuda / is_cpu are flags; ``t.device.type`` builds a device object (~4x slower,
+        # and this runs on every dispatch of a candidate that declares limits)
+        dev = "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
         rule = rules.get(dev)
         if rule is None:
             return f"no support rules declared for device {dev}"
