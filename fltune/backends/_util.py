@@ -121,4 +121,5 @@ def by_device(key_arg=0, **rules):
         if rule is None:
             return f"no support rules declared for device {dev}"
         return rule(*args)
+    supports.rules = rules      # per device, for tests and tools that check every branch
     return supports

@@ -97,8 +97,8 @@ _GEMMA_ADD_NORM = by_device(cpu=requires(last_dim_multiple(0, _CPU_VEC), same_dt
                             cuda=requires(same_dtype(1, 0), same_dtype(2, 0)))
 _GATED = by_device(cpu=requires(contiguous(0), last_dim_multiple(0, _CPU_VEC, halves=True)),
                    cuda=requires(contiguous(0)))
-_ROPE = by_device(1, cpu=requires(unit_last_stride(1, 2), two_dims(1, 2), same_dtype(4, 1)),
-                  cuda=requires(unit_last_stride(1, 2), two_dims(1, 2), same_dtype(4, 1)))
+#: the same on both builds, so no per-device rule
+_ROPE = requires(unit_last_stride(1, 2), two_dims(1, 2), same_dtype(4, 1))
 
 #: op -> (adapter, the _C kernel it needs, what it supports)
 _FNS = {"rms_norm": (rms_norm, "rms_norm", _NORM),

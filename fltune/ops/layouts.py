@@ -96,18 +96,17 @@ def split_of_one_buffer(*idx, tail_like: int = -1) -> Layout:
                   "with a further slice after them", build)
 
 
-def per_head(i, heads_of: Callable[[list], int]) -> Layout:
+def per_head(i, heads: int = 2) -> Layout:
     """A ``[rows, d]`` argument as a 3-D ``[tokens, heads, d]`` view of a fused qkv buffer
     ``[tokens, (heads + 2*heads) * d]``: what vLLM's Qwen3 attention passes its q/k norm
     (``q.view(tokens, heads, head_dim)`` of a column slice)."""
     def applies(args):
-        h = heads_of(args)
-        return h > 0 and args[i].shape[0] % h == 0
+        return args[i].shape[0] % heads == 0
 
     def build(args):
         out = list(args)
         t = args[i]
-        h, d = heads_of(args), t.shape[1]
+        h, d = heads, t.shape[1]
         tokens = t.shape[0] // h
         buf = _surrounded((tokens, 3 * h * d), t.dtype, t.device)
         view = buf[:, :h * d].view(tokens, h, d)
@@ -128,11 +127,6 @@ def fp32_arg(i) -> Layout:
         return out
     return Layout("fp32_weight", f"arg {i} in fp32 with half-precision activations",
                   build, applies)
-
-
-def heads_from_rows(n_heads: int = 2):
-    """For per-head views of norms: group rows ``n_heads`` at a time (q/k norms)."""
-    return lambda args: n_heads
 
 
 def storage_span(t: torch.Tensor) -> int:

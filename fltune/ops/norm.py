@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import OpSpec, normal
-from .layouts import (column_slice, fp32_arg, heads_from_rows, padded_rows, per_head,
-                      split_of_one_buffer)
+from .layouts import column_slice, fp32_arg, padded_rows, per_head, split_of_one_buffer
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -126,7 +125,7 @@ def _bytes(tensors_per_row):
 _QWEN35_HIDDEN = {"hidden": 1024, "eps": 1e-6}
 
 #: q/k norms get per-head views of the qkv buffer, other norms column slices or padded rows
-_NORM_LAYOUTS = (padded_rows(0), column_slice(0), per_head(0, heads_from_rows(2)),
+_NORM_LAYOUTS = (padded_rows(0), column_slice(0), per_head(0, heads=2),
                  fp32_arg(1))
 _ADD_NORM_LAYOUTS = (padded_rows(0, 1), column_slice(0), fp32_arg(2))
 #: Qwen3.5's GDN norm: x and z are slices of one projection output
