@@ -47,7 +47,7 @@ from ..store import CalibrationDB
 from ..store import device as devmod
 from ..store.device import device_row_for_this_machine
 from ..tune import parity, timing
-from ..tune.bands import DEFAULT_MAX_TOKENS, band_of, bands
+from ..tune.bands import band_of, bands, max_tokens_for
 from ..tune.race import Settings
 from ..tune.worker import racer
 from ..tune.workload import derive
@@ -278,7 +278,7 @@ def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     workload = derive(model, tp=tp, dtype=dtype)
     if ops:
         workload.restrict(ops)
-    max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
+    max_tokens = max_tokens_for(settings.device, max_tokens)
     band_list = bands(max_tokens)
     manager = manager or get_default_manager()
     registry = manager.registry

@@ -36,6 +36,12 @@ class Band:
         return f"{self.lo}" if self.lo == self.hi else f"{self.lo}-{self.hi}"
 
 
+def max_tokens_for(device: str, max_tokens=None) -> int:
+    """``max_tokens`` if given, else the device's default top band edge (one rule for
+    calibrate and bench, so both measure the same bands)."""
+    return max_tokens or DEFAULT_MAX_TOKENS.get(device, 2048)
+
+
 def edges(max_tokens: int) -> list[int]:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -18,7 +18,7 @@ from ..store import CalibrationDB
 from ..store import device as devmod
 from . import noise as noisemod
 from .adjudicate import rows_for_db
-from .bands import DEFAULT_MAX_TOKENS, bands
+from .bands import bands, max_tokens_for
 from .race import Settings
 from .worker import racer
 from .workload import Workload, derive
@@ -68,7 +68,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     workload = derive(model, tp=tp, dtype=dtype)       # validates before anything is written
     if ops:
         workload.restrict(ops)
-    max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(settings.device, 2048)
+    max_tokens = max_tokens_for(settings.device, max_tokens)
     band_list = bands(max_tokens)
     manager = manager or OpManager()
     registry = manager.registry
