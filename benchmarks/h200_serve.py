@@ -14,26 +14,9 @@ import argparse
 import glob
 import json
 import os
-import tempfile
 import time
 
-
-def model_dir(profile: str) -> str:
-    from fltune.tune.workload import load_config
-    _, cfg = load_config(profile)
-    if isinstance(cfg.get("text_config"), dict):
-        # Qwen3.5 runs as Qwen3_5ForConditionalGeneration with images and video off
-        # (vLLM 0.24's text-only class still builds the multimodal processor); the vision
-        # tower config is Qwen3.5-0.8B's (research/models.md), weights are dummy anyway
-        from transformers import Qwen3_5Config
-        cfg = Qwen3_5Config(text_config=cfg["text_config"], vision_config={
-            "depth": 12, "hidden_size": 768, "out_hidden_size": cfg["text_config"]["hidden_size"],
-            "intermediate_size": 3072, "num_heads": 12}).to_dict()
-        cfg["architectures"] = ["Qwen3_5ForConditionalGeneration"]
-    d = tempfile.mkdtemp(prefix=f"{profile}-")
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return d
+from fltune.evaluate.model_dir import model_dir
 
 
 def main():

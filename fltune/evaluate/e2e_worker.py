@@ -1,0 +1,252 @@
+"""One arm of the end-to-end instrument: an in-process vLLM ``LLM`` driven by JSON lines.
+
+    python -m fltune.evaluate.e2e_worker SPEC.json      (started by fltune.evaluate.e2e)
+
+The parent sets this process's environment (the arm's ``FLTUNE_*`` overlay, and
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so engine core and model run here: nothing else runs
+while the arm is idle, and torch.profiler sees its kernels) before Python starts, so vLLM
+loads fltune's plugin through its entry point with the arm's settings.
+
+Protocol: one JSON object per line on stdin (a command), one per line on a private copy of
+the original stdout (the reply). Everything else this process prints, vLLM's logs included,
+goes to stderr (fd 1 is pointed at fd 2 before vLLM is imported), which the parent sends
+to the arm's log file. The first reply is ``{"ok": true, "ready": ...}`` once the engine is
+up, or ``{"ok": false, "error": ...}``.
+
+Commands (``cmd``):
+  time     {"scenario": {...}, "inner": k} -> decode: {"long_s": [k], "short_s": [k]}
+           (alternating runs of output_len and 1 tokens); prefill: {"prefill_s": [k]}
+  tokens   {"batch", "prompt_len", "output_len"} -> {"tokens": [[...]], "digest"}
+  profile  {"scenario": {...}, "top": n} -> kernel time per step (CUDA only)
+  info     -> versions, KV cache size, compilation mode, fltune plugin status
+  quit
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+
+_PROTO = None
+
+
+def _reply(obj: dict) -> None:
+    _PROTO.write(json.dumps(obj, default=str) + "\n")
+    _PROTO.flush()
+
+
+def _redirect_stdout() -> None:
+    """Keep the protocol on a private fd; fd 1 (and sys.stdout) become stderr."""
+    global _PROTO
+    _PROTO = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list:
+    """``batch`` token-id prompts of ``prompt_len`` tokens, the same in every arm."""
+    rng = random.Random(f"{seed}:{batch}:{prompt_len}")
+    lo = min(100, max(3, vocab // 4))
+    return [{"prompt_token_ids": [rng.randrange(lo, vocab) for _ in range(prompt_len)]}
+            for _ in range(batch)]
+
+
+def digest_of(tokens: list) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+class Worker:
+    def __init__(self, spec: dict):
+        self.spec = spec
+        import torch
+        self.torch = torch
+        self.cuda = torch.cuda.is_available() and spec.get("device_type", "cuda") == "cuda"
+        from vllm import LLM, SamplingParams
+        self.SamplingParams = SamplingParams
+        t0 = time.perf_counter()
+        self.llm = LLM(model=spec["model_dir"], **spec["engine"])
+        self.init_s = time.perf_counter() - t0
+        try:
+            self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        except Exception:
+            self.vocab = int(spec.get("vocab_size") or 256)
+        self._prompts: dict = {}
+
+    # ---- helpers ----------------------------------------------------------------------
+    def prompts(self, batch: int, prompt_len: int) -> list:
+        key = (batch, prompt_len)
+        if key not in self._prompts:
+            self._prompts[key] = prompts_for(batch, prompt_len, self.vocab,
+                                             self.spec.get("prompt_seed", 0))
+        return self._prompts[key]
+
+    def params(self, n: int):
+        return self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                   detokenize=False)
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def gen(self, prompts, n: int):
+        self.sync()
+        t = time.perf_counter()
+        out = self.llm.generate(prompts, self.params(n), use_tqdm=False)
+        self.sync()
+        return time.perf_counter() - t, out
+
+    # ---- commands ---------------------------------------------------------------------
+    def cmd_time(self, scenario: dict, inner: int = 1) -> dict:
+        prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
+        if scenario["kind"] == "decode":
+            long_s, short_s = [], []
+            for _ in range(max(1, inner)):
+                long_s.append(self.gen(prompts, scenario["output_len"])[0])
+                short_s.append(self.gen(prompts, 1)[0])
+            return {"long_s": long_s, "short_s": short_s}
+        return {"prefill_s": [self.gen(prompts, 1)[0] for _ in range(max(1, inner))]}
+
+    def cmd_tokens(self, batch: int, prompt_len: int, output_len: int) -> dict:
+        _, out = self.gen(self.prompts(batch, prompt_len), output_len)
+        toks = [list(o.outputs[0].token_ids) for o in out]
+        return {"tokens": toks, "digest": digest_of(toks)}
+
+    def cmd_profile(self, scenario: dict, top: int = 20) -> dict:
+        if not self.cuda:
+            return {"kernel_us_per_step": None, "why": "no CUDA device: no kernel profile"}
+        prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
+        if scenario["kind"] == "decode":
+            k_long, wall_long = self._profiled(prompts, scenario["output_len"])
+            k_short, wall_short = self._profiled(prompts, 1)
+            steps = scenario["output_len"] - 1
+            names = set(k_long) | set(k_short)
+            per = {n: ((k_long.get(n, [0, 0.0])[1] - k_short.get(n, [0, 0.0])[1]) / steps,
+                       (k_long.get(n, [0, 0])[0] - k_short.get(n, [0, 0])[0]) / steps)
+                   for n in names}
+            total = (sum(v[1] for v in k_long.values())
+                     - sum(v[1] for v in k_short.values())) / steps
+            wall = (wall_long - wall_short) / steps
+        else:
+            k, wall = self._profiled(prompts, 1)
+            per = {n: (v[1], v[0]) for n, v in k.items()}
+            total = sum(v[1] for v in k.values())
+        tops = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
+        return {"kernel_us_per_step": total, "profiled_wall_s_per_step": wall,
+                "top_kernels": [{"name": n[:200], "us_per_step": round(us, 3),
+                                 "calls_per_step": round(c, 3)} for n, (us, c) in tops]}
+
+    def _profiled(self, prompts, n: int):
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            wall, _ = self.gen(prompts, n)
+        return kernels_of(p), wall
+
+    def cmd_info(self) -> dict:
+        import torch
+        import vllm
+        info = {"vllm": getattr(vllm, "__version__", "?"), "torch": torch.__version__,
+                "init_s": round(self.init_s, 2), "pid": os.getpid(), "vocab": self.vocab,
+                "cuda": self.cuda}
+        try:
+            vc = self.llm.llm_engine.vllm_config
+            cc = vc.cache_config
+            info["kv_cache"] = {"num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+                                "kv_cache_memory_bytes": getattr(cc, "kv_cache_memory_bytes",
+                                                                 None),
+                                "gpu_memory_utilization": cc.gpu_memory_utilization}
+            comp = vc.compilation_config
+            info["compilation"] = {"mode": str(getattr(comp, "mode", None)),
+                                   "cudagraph_mode": str(getattr(comp, "cudagraph_mode", None)),
+                                   "cudagraph_capture_sizes": getattr(
+                                       comp, "cudagraph_capture_sizes", None)}
+            info["additional_config"] = vc.additional_config
+            info["enforce_eager"] = vc.model_config.enforce_eager
+        except Exception as e:  # diagnostics only
+            info["config_error"] = repr(e)
+        try:
+            from fltune.integrations.vllm import config as flcfg
+            from fltune.integrations.vllm import hooks, ops
+            info["fltune"] = {"status": dict(flcfg.STATUS), "record": hooks.RECORD,
+                              "counters": ops.counters()}
+        except Exception as e:
+            info["fltune"] = {"error": repr(e)}
+        if self.cuda:
+            info["device_name"] = torch.cuda.get_device_name(0)
+            info["memory_allocated"] = torch.cuda.memory_allocated()
+        return info
+
+
+def kernels_of(prof) -> dict:
+    """{kernel name: [count, total µs]} of a torch.profiler run (GPU kernels, memcpy and
+    memset), from its Chrome trace (as research/tools/prof.py)."""
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            tr = json.load(f)
+    finally:
+        os.remove(path)
+    agg: dict = {}
+    for e in tr.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            name = e["name"] if cat == "kernel" else f"[{cat}] {e['name']}"
+            a = agg.setdefault(name, [0, 0.0])
+            a[0] += 1
+            a[1] += float(e.get("dur", 0))
+    return agg
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    _redirect_stdout()
+    try:
+        with open(argv[0]) as f:
+            spec = json.load(f)
+        worker = Worker(spec)
+        if worker.cuda:          # CUPTI's first profile is slow: warm it up now
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]):
+                worker.torch.ones(8, device="cuda").add_(1)
+                worker.sync()
+    except BaseException as e:   # reported to the parent, then exit non-zero
+        traceback.print_exc()
+        _reply({"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
+        sys.stderr.flush()
+        os._exit(3)
+    _reply({"ok": True, "ready": True, "init_s": worker.init_s})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            msg = json.loads(line)
+            cmd = msg.pop("cmd")
+            if cmd == "quit":
+                _reply({"ok": True})
+                break
+            fn = getattr(worker, f"cmd_{cmd}", None)
+            if fn is None:
+                raise ValueError(f"unknown command {cmd!r}")
+            _reply({"ok": True, **fn(**msg)})
+        except Exception as e:
+            traceback.print_exc()
+            _reply({"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})
+    sys.stderr.flush()
+    # the plugin's counters writer flushes at exit (atexit); skip vLLM's slow teardown
+    import atexit
+    atexit._run_exitfuncs()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

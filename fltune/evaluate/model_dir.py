@@ -1,0 +1,56 @@
+"""An HF config directory vLLM can load with dummy weights, from a profile or a path.
+
+``model_dir("Qwen3.5-0.8B")`` writes the profile's ``config.json`` into a fresh temporary
+directory (vLLM wants a directory); a directory with ``config.json`` is used as it is, a
+``config.json`` path gives its directory. Qwen3.5 profiles hold the text model only; vLLM
+0.24's text-only class still builds the multimodal processor, so the model runs as
+``Qwen3_5ForConditionalGeneration`` with images and video off (``limit_mm_per_prompt``),
+with Qwen3.5-0.8B's vision tower config (research/models.md; weights are dummy anyway).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def is_multimodal_wrapper(cfg: dict) -> bool:
+    """Qwen3.5's layout: a ``text_config`` inside (served by the multimodal class)."""
+    return isinstance(cfg.get("text_config"), dict)
+
+
+def build_config(cfg: dict) -> dict:
+    """The config.json vLLM gets for a profile's config (Qwen3.5: the multimodal wrapper)."""
+    if not is_multimodal_wrapper(cfg) or cfg.get("vision_config"):
+        return cfg
+    from transformers import Qwen3_5Config
+    out = Qwen3_5Config(text_config=cfg["text_config"], vision_config={
+        "depth": 12, "hidden_size": 768, "out_hidden_size": cfg["text_config"]["hidden_size"],
+        "intermediate_size": 3072, "num_heads": 12}).to_dict()
+    out["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    return out
+
+
+def model_dir(model: str, out: str | None = None) -> str:
+    """A directory holding a ``config.json`` for ``model`` (profile name, directory with
+    config.json, or a config.json path). Paths are returned as they are (their directory);
+    a profile is written to ``out`` (created) or a fresh temporary directory."""
+    p = Path(model)
+    if p.is_dir() and (p / "config.json").is_file():
+        return str(p.resolve())
+    if p.is_file() and p.name == "config.json":
+        return str(p.resolve().parent)
+    from ..tune.workload import load_config
+    _, cfg = load_config(model)
+    cfg = build_config(cfg)
+    d = out or tempfile.mkdtemp(prefix=f"{p.name or 'model'}-")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def config_of(model_path: str) -> dict:
+    with open(os.path.join(model_path, "config.json")) as f:
+        return json.load(f)
