@@ -56,7 +56,8 @@ def fmt_us(v) -> str:
 
 #: short display names of the built-in candidates, so tables fit a terminal
 SHORT = {"reference.torch": "reference", "reference.torch_fused": "torch",
-         "reference.inductor": "inductor", "vendor.vllm": "vllm", "default.flagos": "flaggems"}
+         "inductor.standalone": "inductor", "native.vllm": "native", "vendor.vllm": "vllm",
+         "default.flagos": "flaggems"}
 
 
 def short_name(impl_id) -> str:

@@ -93,7 +93,7 @@ def toy_impls():
     the three PyTorch candidates with their real priorities (50 / 45 / 40)."""
     op = "toy"
     return [
-        make_impl(op, "reference.inductor", "reference", priority=40),
+        make_impl(op, "inductor.standalone", "reference", priority=40),
         make_impl(op, "vendor.vllm", "vendor", vendor="vllm"),
         make_impl(op, "reference.torch", "reference"),
         make_impl(op, "default.flagos", "default"),

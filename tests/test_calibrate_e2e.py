@@ -97,7 +97,7 @@ def test_fingerprint_stable_and_sensitive(calibrated, tmp_path):
     dst = copy_db(db, copy)
     row = dst.execute("select op, signature, band_hi, impl_id from winners "
                       "where op='silu_and_mul' order by band_hi limit 1").fetchone()
-    new = "reference.torch" if row[3] != "reference.torch" else "reference.inductor"
+    new = "reference.torch" if row[3] != "reference.torch" else "inductor.standalone"
     dst.execute("update winners set impl_id=? where op=? and signature=? and band_hi=?",
                 (new, row[0], row[1], row[2]))
     dst.commit()

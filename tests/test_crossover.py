@@ -305,7 +305,7 @@ def test_freeze_applies_a_refined_edge(tmp_path, builtin_registry):
     assert fl["fingerprint"] != m["fingerprint"]
 
 
-@pytest.mark.parametrize("kw", [{"upper_impl": "reference.inductor"},   # winner changed
+@pytest.mark.parametrize("kw", [{"upper_impl": "inductor.standalone"},   # winner changed
                                 {"xo_stack": "other"},                  # measured elsewhere
                                 {"edge": 128}])                          # outside the band
 def test_freeze_ignores_a_crossover_that_no_longer_holds(tmp_path, builtin_registry, kw):

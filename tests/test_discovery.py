@@ -163,11 +163,12 @@ def test_builtin_discovery_report():
     assert counts == {"fltune.backends.reference": len(OPS),
                       "fltune.backends.torch_fused": 7,
                       "fltune.backends.inductor": len(OPS),
+                      "fltune.backends.native_vllm": len(OPS),
                       "fltune.backends.flaggems": 8, "fltune.backends.vllm_c": 8}
     assert sorted(reg.ops()) == sorted(OPS)
     # discovering again replaces, never duplicates
     discover(reg, entry_point_group=None, environ={})
-    assert len(reg.get_implementations("rms_norm")) == 5
+    assert len(reg.get_implementations("rms_norm")) == 6
 
 
 def test_plugin_can_replace_a_builtin(tmp_path, monkeypatch):

@@ -311,8 +311,8 @@ def test_diff_at_80_columns(tmp_path):
     # B: the same DB with every rms_norm table's first band won by another candidate
     b = tmp_path / "b.db"
     c = copy_db(SHIPPED, b)
-    c.execute("update winners set impl_id = case impl_id when 'reference.inductor' then "
-              "'reference.torch' else 'reference.inductor' end where op='rms_norm' and "
+    c.execute("update winners set impl_id = case impl_id when 'inductor.standalone' then "
+              "'reference.torch' else 'inductor.standalone' end where op='rms_norm' and "
               "band_hi=1")
     c.commit()
     c.close()

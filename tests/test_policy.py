@@ -26,7 +26,7 @@ from fltune.ops import OPS
 # ---- order semantics -------------------------------------------------------------------
 
 FL_DEFAULT = ["default.flagos", "vendor.acme", "vendor.vllm", "reference.torch",
-              "reference.torch_fused", "reference.inductor"]
+              "reference.torch_fused", "inductor.standalone"]
 
 
 def test_default_prefer_flagos_is_fl_priority_order(toy_impls):
@@ -41,8 +41,8 @@ def test_default_prefer_flagos_is_fl_priority_order(toy_impls):
     ("flagos", FL_DEFAULT),
     ("default", FL_DEFAULT),
     ("vendor", ["vendor.acme", "vendor.vllm", "default.flagos", "reference.torch",
-                "reference.torch_fused", "reference.inductor"]),
-    ("reference", ["reference.torch", "reference.torch_fused", "reference.inductor",
+                "reference.torch_fused", "inductor.standalone"]),
+    ("reference", ["reference.torch", "reference.torch_fused", "inductor.standalone",
                    "default.flagos", "vendor.acme", "vendor.vllm"]),
 ])
 def test_prefer(toy_impls, prefer, expected):
@@ -51,17 +51,17 @@ def test_prefer(toy_impls, prefer, expected):
 
 @pytest.mark.parametrize("tokens,expected", [
     (("vendor",), ["vendor.acme", "vendor.vllm", "default.flagos", "reference.torch",
-                   "reference.torch_fused", "reference.inductor"]),
+                   "reference.torch_fused", "inductor.standalone"]),
     (("reference", "vendor:vllm"), ["reference.torch", "reference.torch_fused",
-                                     "reference.inductor", "vendor.vllm", "default.flagos",
+                                     "inductor.standalone", "vendor.vllm", "default.flagos",
                                      "vendor.acme"]),
-    (("impl:reference.inductor", "flagos"), ["reference.inductor", "default.flagos",
+    (("impl:inductor.standalone", "flagos"), ["inductor.standalone", "default.flagos",
                                              "vendor.acme", "vendor.vllm", "reference.torch",
                                              "reference.torch_fused"]),
     (("vendor:vllm", "impl:vendor.vllm", "vendor"), ["vendor.vllm", "vendor.acme",
                                                      "default.flagos", "reference.torch",
                                                      "reference.torch_fused",
-                                                     "reference.inductor"]),
+                                                     "inductor.standalone"]),
     (("vendor:nobody",), FL_DEFAULT),
     (("impl:no.such",), FL_DEFAULT),
 ])
@@ -82,7 +82,7 @@ def test_vendor_token_does_not_match_non_vendor(toy_impls):
     p = SelectionPolicy(per_op_order={"toy": ("vendor:vllm",)})
     assert ids(p.order("toy", toy_impls + [odd])) == [
         "vendor.vllm", "default.flagos", "vendor.acme", "reference.torch",
-        "reference.vllm_native", "reference.torch_fused", "reference.inductor"]
+        "reference.vllm_native", "reference.torch_fused", "inductor.standalone"]
 
 
 def test_allow_and_deny_vendors(toy_impls):
@@ -125,9 +125,10 @@ def test_fixed_fl_order_on_real_registry(builtin_registry):
         order = ids(p.order(op, builtin_registry.get_implementations(op)))
         have = set(order)
         want = [i for i in ("default.flagos", "vendor.vllm", "reference.torch",
-                            "reference.torch_fused", "reference.inductor") if i in have]
+                            "reference.torch_fused", "native.vllm", "inductor.standalone")
+                if i in have]
         assert order == want, op
-        assert order.index("reference.torch") < order.index("reference.inductor")
+        assert order.index("reference.torch") < order.index("inductor.standalone")
     # the kinds and priorities behind it (FL's values; the PyTorch extras below 50)
     prio = {i.impl_id: (i.kind, i.priority) for i in
             builtin_registry.get_implementations("rms_norm")}
@@ -135,7 +136,8 @@ def test_fixed_fl_order_on_real_registry(builtin_registry):
                     "vendor.vllm": (BackendImplKind.VENDOR, 100),
                     "reference.torch": (BackendImplKind.REFERENCE, 50),
                     "reference.torch_fused": (BackendImplKind.REFERENCE, 45),
-                    "reference.inductor": (BackendImplKind.REFERENCE, 40)}
+                    "native.vllm": (BackendImplKind.REFERENCE, 42),
+                    "inductor.standalone": (BackendImplKind.REFERENCE, 40)}
 
 
 def test_fixed_fl_pick_on_cpu(fresh_manager):
@@ -204,14 +206,14 @@ def test_yaml_policy_via_fltune_config(tmp_path):
         strict: true
         per_op_order:
           rms_norm: [vendor:vllm, reference]
-          silu_and_mul: "impl:reference.inductor|flagos"
+          silu_and_mul: "impl:inductor.standalone|flagos"
         allow_vendors: [vllm, acme]
         deny_vendors: [acme]
         """)
     p = SelectionPolicy.from_env({"FLTUNE_CONFIG": path})
     assert p == SelectionPolicy(prefer="vendor", strict=True,
                                 per_op_order={"rms_norm": ("vendor:vllm", "reference"),
-                                              "silu_and_mul": ("impl:reference.inductor",
+                                              "silu_and_mul": ("impl:inductor.standalone",
                                                                "flagos")},
                                 allow_vendors={"vllm", "acme"}, deny_vendors={"acme"})
     assert SelectionPolicy.from_env({"VLLM_FL_CONFIG": path}) == p

@@ -4,5 +4,6 @@ signature to the op contract in :mod:`fltune.ops` and carrying a ``qualify`` rul
 from __future__ import annotations
 
 BUILTIN_BACKENDS = ("fltune.backends.reference", "fltune.backends.torch_fused",
-                    "fltune.backends.inductor", "fltune.backends.flaggems",
+                    "fltune.backends.inductor", "fltune.backends.native_vllm",
+                    "fltune.backends.flaggems",
                     "fltune.backends.vllm_c")

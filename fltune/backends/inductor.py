@@ -1,13 +1,19 @@
-"""``inductor``: ``torch.compile`` of the op's reference, the way vLLM runs its native path.
+"""``inductor.standalone``: the op's reference compiled alone, every dimension dynamic.
+
+Not what vLLM runs; kept as a comparison. vLLM's native path is ``native.vllm``
+(``native_vllm.py``): vLLM's own ``forward_native`` compiled as vLLM compiles a model
+(static hidden sizes, only the token dimension dynamic, vLLM's Inductor options, guards
+skipped). This candidate compiles fltune's reference with ``dynamic=True``, so every
+size is symbolic; the H200 measured it several times slower than the code vLLM runs
+in-model for ``silu_and_mul`` at 2k-8k tokens. It stays in the race because it is a
+different compiled form of the same math, and the gap between the two says how much
+vLLM's compile settings are worth. (It was called ``reference.inductor`` before; the
+store migrates old rows.)
 
 Kind REFERENCE with priority 40 (PyTorch code; ranked below FL's reference so the fixed
-FL order is unchanged — see ``dispatch/types.py``).
-
-Compiled once per op with a **dynamic token dimension** (``dynamic=True``), because that is
-the form vLLM runs it in: one graph for a whole token range. The H200 probe showed the
-static form is up to 2.4x faster on large inputs, so timing the static form would promise
-a speed the server never gets. The first call of each (op, dtype) pays the compile; the
-calibrator warms up before timing, so that cost is never measured as kernel time.
+FL order is unchanged — see ``dispatch/types.py``). The first call of each (op, dtype)
+pays the compile; the calibrator warms up before timing, so that cost is never measured
+as kernel time.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from ..ops import OPS
 from ._util import dtype_reason, import_reason
 
 PRIORITY = 40
+IMPL_ID = "inductor.standalone"
 _compiled: dict = {}
 _lock = threading.Lock()
 
@@ -73,7 +80,7 @@ def _qualify(ctx):
 
 
 def implementations():
-    return [OpImpl(op_name=name, impl_id="reference.inductor", kind=BackendImplKind.REFERENCE,
+    return [OpImpl(op_name=name, impl_id=IMPL_ID, kind=BackendImplKind.REFERENCE,
                    fn=_make_fn(name), priority=PRIORITY, backend="inductor",
                    qualify=_qualify, precision_rank=1)
             for name in OPS]
