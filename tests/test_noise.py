@@ -268,7 +268,7 @@ def test_version_2_db_read_as_is_and_migrated_by_a_writer(tmp_path):
     con.close()
     db = CalibrationDB(copy, create=False, write=True)   # a writer migrates it
     try:
-        assert db.schema_version() == SCHEMA_VERSION == 3
+        assert db.schema_version() == SCHEMA_VERSION >= 3
         assert {"undecided", "machine_noise"} <= {c.name for c in db.db["winners"].columns}
         assert "noise_probes" in db.db.table_names() and set(VIEWS) <= set(db.db.view_names())
         assert db.integrity_check() == "ok"

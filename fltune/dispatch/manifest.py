@@ -14,6 +14,13 @@ and optional band fields (``refined``, ``coarse_hi``, ``crossover_probes``) appe
 where set — so shipped manifests keep their bytes and their fingerprints. ``from_json``
 is tolerant of fields an older manifest lacks (``points``, ``weight``, ``shadowed``).
 
+Route decisions (``route_decisions``, :class:`RouteDecision`): per model and op, whether the
+vLLM plugin routes the op ('route') or leaves vLLM's own path ('native'), as decided from
+end-to-end model-step measurements on the device (``evaluate/model_step.py``). The key is
+written only when the device has decisions, so an older manifest keeps its bytes; when it
+is there it is in the fingerprint like everything else (a new decision is a new choice,
+and so a new compile-cache key).
+
 The fingerprint is sha256 over the canonical JSON of everything but the fingerprint: it is
 the value vLLM's compile-cache key receives, so a different choice never reuses a graph.
 
@@ -35,6 +42,58 @@ MANIFEST_FORMAT = "fltune.manifest/1"
 
 class ManifestError(ValueError):
     """A manifest that cannot be used; the message names the file/problem and the fix."""
+
+
+# ---- what counts as vLLM's own path, and which model is served ----------------------------
+
+#: impl-id prefixes of the implementations that are vLLM's own path, or PyTorch code vLLM
+#: would compile anyway: an op whose winners all carry one is left native (not routed)
+NATIVE_PREFIXES = ("reference.", "native.", "inductor.")
+
+
+def is_native(impl_id: str) -> bool:
+    """Whether ``impl_id`` is vLLM's own path or PyTorch code (see :data:`NATIVE_PREFIXES`)."""
+    return str(impl_id).startswith(NATIVE_PREFIXES)
+
+
+#: the config facts a model key is made of (text config of a multimodal model)
+MODEL_KEY_FIELDS = (("hidden_size", "h"), ("intermediate_size", "i"),
+                    ("num_hidden_layers", "L"), ("num_attention_heads", "a"),
+                    ("num_key_value_heads", "kv"), ("head_dim", "d"))
+
+
+def _get(cfg, name):
+    return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+
+
+def model_key(config) -> str:
+    """The key a route decision is stored under: the model's architecture and the
+    dimensions that fix its ops' shapes and its step's cost, e.g.
+    ``Qwen3ForCausalLM:h64:i128:L2:a4:kv2:d16``.
+
+    Why these facts and not a name or a path: the plugin must recognise the model it
+    serves from what vLLM hands it (``vllm_config.model_config.hf_config``), and the
+    adjudication from a built-in profile or a config directory; a name or a path differs
+    between the two (a profile name, a HF repo id, a local checkout), while the HF config's
+    architectures and dimensions are the same in all of them. Weights do not enter: the
+    step's cost does not depend on their values (measured with dummy weights, served with
+    real ones). Two checkpoints of one architecture and size (a base and its instruct
+    tune) share the key, rightly: their steps cost the same. ``config`` is the HF config
+    as a dict or an object (``PretrainedConfig``); a multimodal model's dimensions are read
+    from its ``text_config``."""
+    archs = _get(config, "architectures") or []
+    text = _get(config, "text_config") or _get(config, "text_config_dict") or config
+    parts = [",".join(archs) if archs else str(_get(config, "model_type") or "?")]
+    for name, tag in MODEL_KEY_FIELDS:
+        v = _get(text, name)
+        if v is None and text is not config:
+            v = _get(config, name)
+        if v is None and name == "head_dim":       # HF's default where the config omits it
+            h, a = _get(text, "hidden_size"), _get(text, "num_attention_heads")
+            v = h // a if h and a else None
+        if v is not None:
+            parts.append(f"{tag}{int(v)}")
+    return ":".join(parts)
 
 
 # ---- the type --------------------------------------------------------------------------
@@ -155,6 +214,36 @@ class OpEntry:
 
 
 @dataclass
+class RouteDecision:
+    """Whether the plugin routes ``op`` when it serves ``model`` (a :func:`model_key`):
+    ``decision`` 'route' or 'native', with the reason, the rule's version, a short summary
+    of the evidence (per scenario: ratio median and CI) and the implementations the
+    measured arm routed (a later calibration that changed them makes the decision stale:
+    ``freeze`` drops it)."""
+    model: str
+    op: str
+    decision: str
+    reason: str = ""
+    rule: str = ""
+    model_name: Optional[str] = None
+    routed_impls: list = field(default_factory=list)
+    evidence: list = field(default_factory=list)
+
+    @property
+    def routes(self) -> bool:
+        return self.decision == "route"
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "op": self.op, "decision": self.decision,
+                "reason": self.reason, "rule": self.rule, "model_name": self.model_name,
+                "routed_impls": list(self.routed_impls), "evidence": list(self.evidence)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RouteDecision":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
 class Manifest:
     device: dict
     driver: Optional[str]
@@ -167,6 +256,8 @@ class Manifest:
     source_db: dict = field(default_factory=dict)
     overrides: list = field(default_factory=list)
     launch_floor_us: Optional[float] = None
+    #: model-step routing decisions of this device (written only when there are some)
+    route_decisions: list = field(default_factory=list)
     format: str = MANIFEST_FORMAT
     fingerprint: Optional[str] = None
 
@@ -177,6 +268,8 @@ class Manifest:
         """The on-disk dict, fingerprint computed over the rest."""
         d = {k: getattr(self, k) for k in self._FIELDS}
         d["ops"] = {op: e.to_json() for op, e in self.ops.items()}
+        if self.route_decisions:
+            d["route_decisions"] = [r.to_json() for r in self.route_decisions]
         d["fingerprint"] = fingerprint_of(d)
         return d
 
@@ -186,6 +279,7 @@ class Manifest:
             verify_manifest(d, source)
         try:
             ops = {op: OpEntry.from_json(e) for op, e in d["ops"].items()}
+            decisions = [RouteDecision.from_json(r) for r in d.get("route_decisions") or []]
         except (KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"{source}: malformed manifest ({type(e).__name__}: {e}); "
                                 f"re-create it with {refreeze_command(d, source)}") from None
@@ -195,8 +289,17 @@ class Manifest:
                    fl_substitutions=d.get("fl_substitutions", []),
                    band_rule=d.get("band_rule"), source_db=d.get("source_db", {}),
                    overrides=d.get("overrides", []),
-                   launch_floor_us=d.get("launch_floor_us"),
+                   launch_floor_us=d.get("launch_floor_us"), route_decisions=decisions,
                    format=d.get("format", MANIFEST_FORMAT), fingerprint=d.get("fingerprint"))
+
+    def decisions_for(self, model: Optional[str]) -> dict:
+        """op -> :class:`RouteDecision` for the model key ``model`` (empty when the device
+        has no decision for it: that model's routing is unmeasured)."""
+        return {r.op: r for r in self.route_decisions if model is not None and r.model == model}
+
+    def decided_models(self) -> dict:
+        """model key -> its display name, for the models that have decisions."""
+        return {r.model: r.model_name or r.model for r in self.route_decisions}
 
     def table_for(self, op: str, dtype: str, trailing) -> Optional[Table]:
         """The table that serves (dtype, trailing shape) for ``op``, if any."""

@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from ..dispatch.manifest import (Band, Manifest, OpEntry, Point, Table,  # noqa: F401
-                                 device_mismatch, write_manifest)
+from ..dispatch.manifest import (Band, Manifest, OpEntry, Point, RouteDecision,  # noqa: F401
+                                 Table, device_mismatch, is_native, write_manifest)
 from ..dispatch.policy import SelectionPolicy, fl_pick
 from ..ops import get_op
 from ..store import CalibrationDB, DBError, band_key
@@ -105,12 +105,13 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         stack_keys = set(stacks)
         timed = [m for ms in by_band.values() for m in ms
                  if m["outcome"] == "timed" and m.get("stack_key") in stack_keys]
-        native = {band_key(m): m["median_us"] for m in timed if m["impl_id"] == NATIVE_COMPILED}
+        native = _native_times(timed)
         # refined edges (``fltune refine``) move the boundary between two measured winners;
         # the fixed FL order's bands are not what was refined, so they keep the band edges
         crossovers = ({(c["op"], c["signature"], c["dtype"], c["lower_hi"]): c
                        for c in db.crossovers(dev["device_key"], dev["driver"])}
                       if order == "measured" else {})
+        entries = _op_entries(rows, registry, native, crossovers)
         manifest = Manifest(
             device={k: dev[k] for k in ("device_key", "device_type", "name", "capability",
                                         "sms", "memory_bytes")},
@@ -126,8 +127,12 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
             band_rule=BAND_RULE,
             source_db={"path": str(db_path),
                        "runs": [r["id"] for r in db.runs(dev["device_key"])]},
-            ops=_op_entries(rows, registry, native, crossovers),
+            ops=entries,
             overrides=overrides,
+            # model-step decisions hold for the measured picks they were measured with; the
+            # fixed FL order's arm routes what vllm-plugin-FL would, undecided
+            route_decisions=(_route_decisions(db, dev, entries, warnings)
+                             if order == "measured" else []),
             launch_floor_us=min((m["median_us"] for m in timed if m["median_us"]),
                                 default=None))
         return manifest.to_json(), warnings
@@ -232,9 +237,47 @@ def _callable(registry, op, impl_id):
         return None
 
 
-#: the candidate that stands for vLLM's own compiled path: an op left native is lowered by
-#: Inductor inside vLLM's graph, as this candidate lowers it alone
-NATIVE_COMPILED = "reference.inductor"
+#: the candidates that stand for vLLM's own compiled path, best first: ``native.vllm`` (vLLM's
+#: path compiled as vLLM compiles it) where it was measured, else ``inductor.standalone`` (the
+#: reference compiled alone, dynamic tokens; ``reference.inductor`` before schema 4)
+NATIVE_COMPILED_IDS = ("native.vllm", "inductor.standalone")
+NATIVE_COMPILED = NATIVE_COMPILED_IDS[0]
+
+
+def _native_times(timed: list[dict]) -> dict:
+    """band key -> the native compiled path's time there (:data:`NATIVE_COMPILED_IDS`)."""
+    out: dict = {}
+    for impl_id in reversed(NATIVE_COMPILED_IDS):        # the preferred one overwrites
+        out.update({band_key(m): m["median_us"] for m in timed if m["impl_id"] == impl_id})
+    return out
+
+
+def _route_decisions(db, dev: dict, entries: dict, warnings: list) -> list[RouteDecision]:
+    """The device's model-step routing decisions (``evaluate/model_step.py``) that still
+    hold: per (model, op) the newest; dropped, with a warning, where the op's non-native
+    picks are no longer the ones the decision's arm routed (a later calibration changed
+    them) or the manifest no longer has the op."""
+    newest: dict = {}
+    for r in db.route_decisions(dev["device_key"], dev["driver"]):
+        newest[(r["model"], r["op"])] = r               # ordered by created_at
+    out = []
+    for (model, op), r in sorted(newest.items()):
+        ev = r.get("evidence") or {}
+        routed = sorted(ev.get("routed_impls") or [])
+        entry = entries.get(op)
+        now = sorted({i for i in entry.impl_ids() if not is_native(i)}) if entry else []
+        if routed != now and (r["decision"] == "route" or now):
+            warnings.append(f"route decision for {op} on {r.get('model_name') or model} is "
+                            f"stale (measured routing {', '.join(routed) or 'nothing'}, the "
+                            f"manifest now picks {', '.join(now) or 'nothing'}): left out; "
+                            f"re-run the model-step adjudication")
+            continue
+        out.append(RouteDecision(
+            model=model, op=op, decision=r["decision"], reason=r["reason"] or "",
+            rule=r["rule"] or "", model_name=r.get("model_name"), routed_impls=routed,
+            evidence=[{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low", "ci_high")}
+                      for p in ev.get("points") or []]))
+    return out
 
 
 def _refined_edge(crossovers: dict, prev: Optional[dict], w: dict) -> Optional[dict]:

@@ -19,9 +19,22 @@ Tables
                 the share of CPU time other processes took (``tune/noise.py``)
   winners.undecided, winners.machine_noise  (v3) the band's noise exceeded its win margin
                 (1) or not (0), and the machine probe's spread the band was judged with
+  route_decisions  (v4) unique per (device, driver, stack, model, op): whether the vLLM
+                plugin routes the op for that model ('route') or leaves vLLM's own path
+                ('native'), decided from end-to-end model-step measurements
+                (``evaluate/model_step.py``), with the reason, the evidence (the e2e points of
+                the arm that routes this op alone, the scenarios, reps and the command, as
+                JSON) and the version of the rule that decided
+
+Version 4 also renames the candidate ``reference.inductor`` to ``inductor.standalone`` in every
+column that holds an impl id (measurements, winners incl. the runner-up, crossovers): the
+same thing measured (the reference compiled alone by Inductor, dynamic token dimension),
+named for what it is rather than as vLLM's path. A reader of an older DB sees the new name
+too (the rows are renamed as they are read, :data:`RENAMED_IMPLS`), so the DB's bytes stay
+as they are.
 
 Views (v3), for people: ``winners_readable``, ``measurements_readable`` and
-``noise_readable`` hold the same rows with the model, the device's name, times in µs
+``noise_readable`` (v4: ``route_decisions_readable``) hold the same rows with the model, the device's name, times in µs
 rounded and gaps and noise in percent, so ``sqlite3 X.db 'select * from winners_readable'``
 needs no join. They are derived: nothing reads them back.
 
@@ -29,7 +42,8 @@ Migrations run forward when a DB is opened for writing. A reader (``write=False`
 default with ``create=False``) opens an older DB as it is and never rewrites it: every
 migration after version 1 only adds tables, views and nullable columns, and their readers
 treat a missing table as empty and a missing column as unknown (``None``) — so a shipped
-DB read by ``freeze``/``report`` keeps its bytes.
+DB read by ``freeze``/``report`` keeps its bytes. (Version 4's renaming of an impl id is
+applied to the rows a reader returns, so a reader sees the same ids either way.)
 
 Crash and concurrency safety: WAL journal (readers never block the writer), a busy
 timeout (writers queue instead of failing with "database is locked"), and each finished
@@ -49,7 +63,7 @@ import sqlite_utils
 
 from ..util import has_sqlite_header
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
 BUSY_TIMEOUT_MS = 60_000
@@ -63,6 +77,13 @@ MEASUREMENT_KEY = ["device_key", "driver", "stack_key", "op", "signature", "dtyp
                    "band_hi", "impl_id"]
 WINNER_KEY = ["device_key", "driver", "op", "signature", "dtype", "band_hi"]
 CROSSOVER_KEY = ["device_key", "driver", "op", "signature", "dtype", "lower_hi"]
+ROUTE_DECISION_KEY = ["device_key", "driver", "stack_key", "model", "op"]
+#: impl ids renamed by a migration: old -> new (v4: the standalone Inductor candidate)
+RENAMED_IMPLS = {"reference.inductor": "inductor.standalone"}
+#: (table, columns holding an impl id, text columns that may name one)
+IMPL_ID_COLUMNS = (("measurements", ("impl_id",), ("reason",)),
+                   ("winners", ("impl_id", "runner_up"), ("reason",)),
+                   ("crossovers", ("impl_below", "impl_above"), ()))
 
 
 def _migrate_0_to_1(db: sqlite_utils.Database):
@@ -165,7 +186,61 @@ def _migrate_2_to_3(db: sqlite_utils.Database):
         db.create_view(name, sql.strip(), replace=True)
 
 
-MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2, 2: _migrate_2_to_3}
+VIEWS_V4 = {
+    "route_decisions_readable": """
+select d.name as device, r.driver as driver, r.model_name as model, r.model as model_key,
+       r.op as op, r.decision as decision, r.reason as reason, r.rule as rule,
+       r.stack_key as stack_key, r.device_key as device_key,
+       datetime(r.created_at, 'unixepoch') as decided_utc
+from route_decisions r
+left join devices d on d.device_key = r.device_key and d.driver = r.driver""",
+}
+
+
+def _migrate_3_to_4(db: sqlite_utils.Database):
+    """Routing decided by model-step measurement: the ``route_decisions`` table and its
+    view; and the standalone Inductor candidate's honest name (:data:`RENAMED_IMPLS`) in
+    every table that stores impl ids."""
+    db["route_decisions"].create({
+        "device_key": str, "driver": str, "stack_key": str, "model": str, "model_name": str,
+        "op": str, "decision": str, "reason": str, "evidence": str, "rule": str,
+        "created_at": float}, pk=ROUTE_DECISION_KEY, if_not_exists=True)
+    names = set(db.table_names())
+    for old, new in RENAMED_IMPLS.items():
+        for table, id_cols, text_cols in IMPL_ID_COLUMNS:
+            if table not in names:
+                continue
+            for c in id_cols:
+                db.execute(f"update {table} set {c}=? where {c}=?", [new, old])
+            for c in text_cols:
+                db.execute(f"update {table} set {c}=replace({c}, ?, ?) where {c} like ?",
+                           [old, new, f"%{old}%"])
+    for name, sql in VIEWS_V4.items():
+        db.create_view(name, sql.strip(), replace=True)
+
+
+MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2, 2: _migrate_2_to_3,
+              3: _migrate_3_to_4}
+
+
+def renamed_impl(impl_id):
+    """An impl id as this schema names it (:data:`RENAMED_IMPLS`)."""
+    return RENAMED_IMPLS.get(impl_id, impl_id)
+
+
+def _renamed_row(row: dict, table: str) -> dict:
+    """A row read from a DB older than version 4, with the ids version 4 renamed."""
+    for t, id_cols, text_cols in IMPL_ID_COLUMNS:
+        if t != table:
+            continue
+        for c in id_cols:
+            if row.get(c) in RENAMED_IMPLS:
+                row[c] = RENAMED_IMPLS[row[c]]
+        for c in text_cols:
+            if isinstance(row.get(c), str):
+                for old, new in RENAMED_IMPLS.items():
+                    row[c] = row[c].replace(old, new)
+    return row
 
 
 def band_key(row: dict) -> tuple:
@@ -335,15 +410,27 @@ class CalibrationDB:
         if op:
             q += " and op=?"
             args.append(op)
-        return list(self.db.query(q + " order by op, signature, dtype, band_hi", args))
+        return self._current(self.db.query(q + " order by op, signature, dtype, band_hi",
+                                           args), "winners")
+
+    def _current(self, rows, table: str) -> list[dict]:
+        """``rows`` as a list, with the impl ids of the current schema (an older DB opened
+        for reading keeps its old ids on disk; see the module docstring)."""
+        rows = list(rows)
+        if self.schema_version() < 4:
+            rows = [_renamed_row(r, table) for r in rows]
+        return rows
 
     def measurements(self, device_key: str, driver: str, **where) -> list[dict]:
         q = "select * from measurements where device_key=? and driver=?"
         args = [device_key, driver]
         for k, v in where.items():
             q += f" and {k}=?"
+            if self.schema_version() < 4 and k == "impl_id":
+                v = next((o for o, n in RENAMED_IMPLS.items() if n == v), v)
             args.append(v)
-        return list(self.db.query(q + " order by op, signature, dtype, band_hi, impl_id", args))
+        return self._current(self.db.query(
+            q + " order by op, signature, dtype, band_hi, impl_id", args), "measurements")
 
     def measurements_by_band(self, device_key: str, driver: str, **where) -> dict:
         """:meth:`measurements` grouped by band: (op, signature, dtype, band_hi) -> rows."""
@@ -389,7 +476,8 @@ class CalibrationDB:
         if op:
             q += " and op=?"
             args.append(op)
-        out = list(self.db.query(q + " order by op, signature, dtype, lower_hi", args))
+        out = self._current(self.db.query(q + " order by op, signature, dtype, lower_hi",
+                                          args), "crossovers")
         for r in out:
             r["probes"] = json.loads(r["probes"]) if r["probes"] else []
         return out
@@ -421,6 +509,37 @@ class CalibrationDB:
             q += " and run_id=?"
             args.append(run_id)
         return list(self.db.query(q + " order by id", args))
+
+    # ---- route decisions (schema 4) ---------------------------------------------------
+    def record_route_decision(self, row: dict) -> None:
+        """One model-step routing decision (``evidence`` as a dict, stored as JSON)."""
+        self.record_route_decisions([row])
+
+    def record_route_decisions(self, rows: list[dict]) -> None:
+        """Several decisions (one adjudication) in one transaction; a decision for the same
+        (device, driver, stack, model, op) replaces the older one."""
+        now = time.time()
+        with self.transaction():
+            for row in rows:
+                self.db["route_decisions"].upsert(
+                    {**row, "evidence": json.dumps(row.get("evidence"), sort_keys=True),
+                     "created_at": row.get("created_at") or now}, pk=ROUTE_DECISION_KEY)
+
+    def route_decisions(self, device_key: str, driver: str,
+                        model: Optional[str] = None) -> list[dict]:
+        """The routing decisions of a device (``evidence`` decoded), of every stack, newest
+        last; none in a DB before v4."""
+        if "route_decisions" not in self.db.table_names():
+            return []
+        q = "select * from route_decisions where device_key=? and driver=?"
+        args = [device_key, driver]
+        if model:
+            q += " and model=?"
+            args.append(model)
+        out = list(self.db.query(q + " order by model, op, created_at", args))
+        for r in out:
+            r["evidence"] = json.loads(r["evidence"]) if r["evidence"] else None
+        return out
 
     def integrity_check(self) -> str:
         return self.db.execute("PRAGMA integrity_check").fetchone()[0]

@@ -13,19 +13,51 @@ from __future__ import annotations
 from typing import Optional
 
 ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
-#: the route mode (auto/all) beside the fingerprint in additional_config: with the manifest
+#: the route mode (auto/all/ops:a,b) beside the fingerprint in additional_config: with the manifest
 #: and vLLM's compilation config (hashed by vLLM itself) it fixes which ops are routed
 ROUTE_CONFIG_KEY = "fltune_route"
 #: bumped whenever the rule that turns (manifest, mode, compile mode) into routes changes:
 #: the rule lives in code Dynamo never traces, so vLLM's code hash cannot see it
-ROUTE_RULE = "decode-mix-vs-launch-floor/1"
+#: /2: in auto mode the manifest's model-step decisions for the served model decide (an op is
+#: routed only where its decision is 'route'); the launch-floor rule only where the model has
+#: none; 'ops:a,b' routes exactly the listed ops
+ROUTE_RULE = "model-step-else-launch-floor/2"
+#: FLTUNE_ROUTE=ops:a,b — route exactly these ops (where the manifest has a non-native pick)
+OPS_PREFIX = "ops:"
+
+
+def route_ops(mode: str) -> Optional[tuple]:
+    """The ops an ``ops:a,b`` mode lists (sorted), or None for another mode."""
+    if not mode.startswith(OPS_PREFIX):
+        return None
+    return tuple(sorted({o.strip() for o in mode[len(OPS_PREFIX):].split(",") if o.strip()}))
+
+
+def normalize_route(mode: Optional[str]) -> str:
+    """The canonical spelling of a FLTUNE_ROUTE value (lower case; ``ops:`` sorted,
+    duplicates dropped), so that one routing has one compile-cache key. Not checked."""
+    mode = (mode or "auto").strip().lower()
+    listed = route_ops(mode)
+    return mode if listed is None else OPS_PREFIX + ",".join(listed)
 
 
 def check_route(mode: str) -> None:
-    """Raise if ``mode`` is not a FLTUNE_ROUTE value (the plugin and `fltune serve` both ask)."""
+    """Raise if ``mode`` is not a FLTUNE_ROUTE value (the plugin and `fltune serve` both ask):
+    ``auto``, ``all``, or ``ops:a,b`` naming known ops."""
+    listed = route_ops(mode)
+    if listed is not None:
+        from ...ops import OPS
+
+        unknown = [o for o in listed if o not in OPS]
+        if not listed or unknown:
+            raise FltunePluginError(
+                f"{ENV_ROUTE}={mode!r}: "
+                + (f"unknown op(s) {', '.join(unknown)}" if unknown else "no op listed")
+                + f"; list ops of {', '.join(sorted(OPS))} (e.g. {OPS_PREFIX}silu_and_mul)")
+        return
     if mode not in ROUTE_MODES:
-        raise FltunePluginError(f"{ENV_ROUTE}={mode!r} is not one of {', '.join(ROUTE_MODES)}; "
-                                f"unset it for the default (auto)")
+        raise FltunePluginError(f"{ENV_ROUTE}={mode!r} is not one of {', '.join(ROUTE_MODES)} "
+                                f"or {OPS_PREFIX}a,b; unset it for the default (auto)")
 
 
 def route_key(mode: str) -> str:
@@ -44,6 +76,20 @@ ROUTE_MODES = ("auto", "all")
 
 class FltunePluginError(RuntimeError):
     """The manifest cannot be applied in this process (raised only when strict)."""
+
+
+def served_model_key(vllm_config) -> Optional[str]:
+    """The served model's key (``dispatch.manifest.model_key``: architecture and dimensions)
+    from vLLM's config, or None when vLLM does not say (no model config)."""
+    from ...dispatch.manifest import model_key
+
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    if hf is None:
+        return None
+    try:
+        return model_key(hf)
+    except Exception:
+        return None
 
 
 def compiled_with_inductor() -> bool:

@@ -164,7 +164,7 @@ def before_load_model(runner) -> None:
             pass
         return
     from .config import (ADDITIONAL_CONFIG_KEY, ROUTE_CONFIG_KEY, compiled_with_inductor, fail,
-                         route_key)
+                         route_key, served_model_key)
 
     from .config import FltunePluginError, exact_device_problem
 
@@ -178,6 +178,11 @@ def before_load_model(runner) -> None:
         if fd is None or fd.fingerprint != plan.fingerprint:
             fd = frozen.freeze_dispatch(plan.manifest)
         cfg = runner.vllm_config
+        # the served model: its model-step route decisions apply (plugin.Plan.route_verdict)
+        key = served_model_key(cfg)
+        if key is not None and key != plan.model:
+            plan = plan.with_model(key)
+            ops.set_plan(plan)
         hash_before = _config_hash(cfg)
         extra = cfg.additional_config
         if extra is None:
@@ -191,6 +196,7 @@ def before_load_model(runner) -> None:
         # plugin.py); vLLM hashes its compilation config itself, the mode is keyed here
         compiled = compiled_with_inductor()
         routes = plan.effective_routes(compiled)
+        decisions = plan.decisions()
         extra[ROUTE_CONFIG_KEY] = route_key(plan.route)
         # only the layers that route something are replaced (see ops.needed_layers)
         ops.unregister_layers(keep=ops.needed_layers(routes))
@@ -198,8 +204,11 @@ def before_load_model(runner) -> None:
                       compiled_with_inductor=compiled, route_mode=plan.route,
                       effective_routes=routes,
                       routed={k: list(v) for k, v in plan.routed.items() if k in routes},
-                      native_for_fusion={k: getattr(plan.fusion.get(k), "why", "") for k in plan.routed
-                                         if k not in routes},
+                      # the routable ops left native, and why (name kept for its readers)
+                      native_for_fusion={k: plan.route_verdict(k, compiled)[1]
+                                         for k in plan.routed if k not in routes},
+                      model_key=plan.model,
+                      route_decisions={op: d.decision for op, d in sorted(decisions.items())},
                       native=list(plan.native), unseamed=list(plan.unseamed),
                       additional_config=_jsonable(extra),
                       config_hash={"before": hash_before, "after": _config_hash(cfg)},
@@ -212,6 +221,9 @@ def before_load_model(runner) -> None:
         start_counters_file(settings.counters_file, settings.counters_interval)
     log.info("fltune: dispatch frozen (%s) before load_model; %s=%s", fd.fingerprint[:12],
              ADDITIONAL_CONFIG_KEY, fd.fingerprint[:12])
+    for op in sorted(plan.routed):
+        ok, why = plan.route_verdict(op, compiled)
+        log.info("fltune: %s %s (%s)", op, "routed" if ok else "left on vLLM's path", why)
 
 
 def after_load_model(runner) -> None:

@@ -13,16 +13,34 @@ plugin is configured by the environment, which every process sees alike:
 - ``FLTUNE_COUNTERS_FILE``: where each model process writes its per-(op, impl) call counts
   (JSON, rewritten every ``FLTUNE_COUNTERS_INTERVAL`` seconds and at exit; ``{pid}`` in
   the name is replaced by the process id, for several workers);
-- ``FLTUNE_ROUTE``: ``auto`` (default) or ``all``; see "Fusion" below.
+- ``FLTUNE_ROUTE``: ``auto`` (default), ``all``, or ``ops:a,b``; see "Which ops are routed"
+  below.
 
-Fusion. A routed op is an opaque custom op: Inductor cannot fuse it with its neighbours
+Which ops are routed. Only ops whose manifest picks something other than vLLM's own path
+(an impl id not starting with ``reference.``, ``native.`` or ``inductor.``:
+``dispatch.manifest.is_native``) and that a vLLM layer seam calls are candidates. Of those:
+
+- ``FLTUNE_ROUTE=ops:a,b`` routes exactly the listed ops (the model-step adjudication's
+  arms: one op at a time), whatever the compile mode and the decisions;
+- ``FLTUNE_ROUTE=all`` routes every candidate;
+- ``auto`` (default): when the manifest carries **model-step decisions** for the model being
+  served (``route_decisions``, measured end to end by ``evaluate/model_step.py`` and frozen
+  in), an op is routed only if its decision is 'route'; an op decided 'native' (or left
+  undecided for a model that has decisions) keeps vLLM's own layer class. The served model
+  is recognised in the model's process, in the load_model hook, by
+  ``dispatch.manifest.model_key`` of vLLM's HF config (architecture and dimensions, not a
+  name or a path: see there why). A model without decisions falls back to the launch-floor
+  rule below, and the plan says that its routing is unmeasured and how to measure it.
+
+Fusion (the launch-floor rule, for models without decisions). A routed op is an opaque custom op: Inductor cannot fuse it with its neighbours
 (the residual add before a norm, the q/k split and norms around rope), so in a compiled
 vLLM it costs at least one kernel of its own where the native path may cost none. The
 calibration times each op alone, where that cost does not show; at decode sizes the
 candidates are within a microsecond of each other and the lost fusion dominates (measured
 on the H200: every op routed, Qwen3-0.6B batch 16 ran at 0.80x vanilla vLLM). So with
 ``FLTUNE_ROUTE=auto``, when vLLM compiles with Inductor, an op is routed only if its win
-over the native compiled path (the ``reference.inductor`` candidate), averaged over a
+over the native compiled path (``native.vllm`` where measured, else the standalone
+``inductor.standalone`` candidate), averaged over a
 decode mix (1, 8, 32 and 128 tokens), exceeds the device's launch floor (the fastest
 kernel the calibration ever timed there): the least a kernel of its own costs. In eager
 mode (nothing fuses) and with ``FLTUNE_ROUTE=all`` every non-native op is routed.
@@ -47,17 +65,19 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...dispatch import frozen
-from ...dispatch.manifest import Manifest, OpEntry
+from ...dispatch.manifest import NATIVE_PREFIXES, Manifest, OpEntry, is_native
 from . import ops
 from .config import (ADDITIONAL_CONFIG_KEY, ENV_COUNTERS, ENV_COUNTERS_INTERVAL,  # noqa: F401
-                     ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, ROUTE_CONFIG_KEY, ROUTE_MODES,
-                     ROUTE_RULE, STATUS, FltunePluginError, check_route, compiled_with_inductor,
-                     exact_device_problem, route_key, set_failure_handler)
+                     ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, OPS_PREFIX, ROUTE_CONFIG_KEY,
+                     ROUTE_MODES, ROUTE_RULE, STATUS, FltunePluginError, check_route,
+                     compiled_with_inductor, exact_device_problem, normalize_route, route_key,
+                     route_ops, served_model_key, set_failure_handler)
 from .ops import CALL_COUNTS, counters, reset_counters  # noqa: F401  (public re-exports)
 
 log = logging.getLogger("vllm.fltune")
 
-NATIVE_PREFIX = "reference."
+#: kept for callers of the old name: the prefixes of vLLM's own path (``is_native``)
+NATIVE_PREFIX = NATIVE_PREFIXES
 DECODE_MIX = (1, 8, 32, 128)
 
 
@@ -84,7 +104,7 @@ class Settings:
             interval = float(env.get(ENV_COUNTERS_INTERVAL, "1.0"))
         except ValueError:
             interval = 1.0
-        route = (env.get(ENV_ROUTE) or "auto").strip().lower()   # checked in apply()
+        route = normalize_route(env.get(ENV_ROUTE))   # checked in apply()
         return cls(manifest=manifest, db=db, strict=_truthy(env.get(ENV_STRICT)),
                    counters_file=env.get(ENV_COUNTERS) or None, counters_interval=interval,
                    route=route)
@@ -103,7 +123,7 @@ class Plan:
     fingerprint: str
     #: op -> the implementations its bands pick, for ops routed through fltune's seams
     routed: dict
-    #: ops whose winners are all native PyTorch (``reference.*``): left on vLLM's path
+    #: ops whose winners are all vLLM's own path or PyTorch (``is_native``): left native
     native: tuple
     #: ops in the manifest that no vLLM layer seam of this integration calls
     unseamed: tuple
@@ -116,18 +136,57 @@ class Plan:
     route: str = "auto"
     #: the same manifest, typed (``dispatch.manifest.Manifest``): what the plan reads
     typed: Optional[Manifest] = field(default=None, compare=False, repr=False)
+    #: the served model's key (``dispatch.manifest.model_key``), once known (load_model hook)
+    model: Optional[str] = None
+
+    def with_model(self, key: Optional[str]) -> "Plan":
+        """This plan for the model ``key`` (its route decisions apply)."""
+        from dataclasses import replace
+        return replace(self, model=key)
+
+    def decisions(self) -> dict:
+        """op -> RouteDecision of the served model (empty: unknown model, or unmeasured)."""
+        return self.typed.decisions_for(self.model) if self.typed is not None else {}
+
+    def route_verdict(self, op_name: str, compiled: bool) -> tuple:
+        """(routed?, why) for ``op_name`` in this vLLM configuration (module docstring)."""
+        if op_name not in self.routed:
+            return False, ("native in every band" if op_name in self.native
+                           else "not routable here")
+        listed = route_ops(self.route)
+        if listed is not None:
+            return (op_name in listed,
+                    f"{ENV_ROUTE}={self.route}: " + ("listed" if op_name in listed
+                                                     else "not listed"))
+        if self.route == "all":
+            return True, f"{ENV_ROUTE}=all"
+        decided = self.decisions()
+        if decided:
+            d = decided.get(op_name)
+            if d is None:
+                return False, ("model-step: no decision for this op (the model's others were "
+                               "measured): vLLM's path")
+            return d.routes, f"model-step {d.decision} ({d.rule}): {d.reason}"
+        if not compiled:
+            return True, "unmeasured; eager: routed as calibrated"
+        verdict = self.fusion.get(op_name)
+        if verdict is None:
+            return True, "unmeasured: routed as calibrated"
+        return verdict.route_compiled, f"unmeasured; launch-floor rule: {verdict.why}"
 
     def routes(self, op_name: str, compiled: bool) -> bool:
         """Whether ``op_name`` goes through fltune's custom op in this vLLM configuration."""
-        if op_name not in self.routed:
-            return False
-        if not compiled or self.route == "all":
-            return True
-        verdict = self.fusion.get(op_name)
-        return verdict is None or verdict.route_compiled
+        return self.route_verdict(op_name, compiled)[0]
 
     def effective_routes(self, compiled: bool) -> list:
         return sorted(op for op in self.routed if self.routes(op, compiled))
+
+    def possible_routes(self) -> list:
+        """The ops that may route in some compile mode for some model: what ``register``
+        registers layer classes for, before the model and the compile mode are known (the
+        load_model hook narrows them)."""
+        listed = route_ops(self.route)
+        return sorted(op for op in self.routed if listed is None or op in listed)
 
 
 @dataclass(frozen=True)
@@ -285,7 +344,7 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
     routed, native, unseamed, fusion = {}, [], [], {}
     for op_name, entry in sorted(typed.ops.items()):
         winners = entry.impl_ids()
-        if all(w.startswith(NATIVE_PREFIX) for w in winners):
+        if all(is_native(w) for w in winners):
             native.append(op_name)
         elif op_name not in ops.SEAMED_OPS:
             unseamed.append(op_name)
@@ -298,26 +357,68 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
                 fusion=fusion, route=settings.route if settings is not None else "auto")
 
 
-def plan_table(plan: Plan) -> str:
-    """One compact line per op: its bands and the implementation each picks."""
+def adjudicate_hint(plan: Plan, model: Optional[str] = None) -> str:
+    """The command that measures a model's routing on this device (model-step adjudication),
+    as complete as the plan knows it."""
+    db = (plan.settings.db if plan.settings is not None and plan.settings.db else None) or (
+        (plan.typed.source_db or {}).get("path") if plan.typed is not None else None)
+    return (f"fltune adjudicate --db {db or 'X.db'} --model {model or 'MODEL'} "
+            f"(then freeze again)")
+
+
+def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
+    """One compact line per op: its bands, the implementation each picks, and whether it is
+    routed (and why) — for the served model when the plan knows it (``plan.model``), else
+    per decided model, with the way to measure a model that has no decisions."""
     lines = [f"fltune manifest {plan.fingerprint[:12]} ({plan.source})"]
     typed = plan.typed or Manifest.from_json(plan.manifest, plan.source, verify=False)
+    decided = typed.decided_models()
+    auto = plan.route == "auto"
+    if plan.route != "auto":
+        lines.append(f"  route mode {plan.route}")
+    elif plan.model is not None and plan.decisions():
+        lines.append(f"  routing decided by model-step measurement for {decided[plan.model]} "
+                     f"({plan.model})")
+    elif plan.model is not None:
+        lines.append(f"  {plan.model}: routing unmeasured (no model-step decision in the "
+                     f"manifest): launch-floor rule; measure with `{adjudicate_hint(plan)}`")
+    elif decided:
+        lines.append("  model-step decisions for " + ", ".join(
+            f"{n} ({k})" for k, n in sorted(decided.items())) + "; another model: "
+            f"launch-floor rule (unmeasured), measure with `{adjudicate_hint(plan)}`")
+    elif plan.routed:
+        lines.append(f"  routing unmeasured (no model-step decision in the manifest): "
+                     f"launch-floor rule; measure with `{adjudicate_hint(plan)}`")
     for op_name, entry in sorted(typed.ops.items()):
         state = ("routed" if op_name in plan.routed else
                  "native (vLLM's path)" if op_name in plan.native else
                  "no vLLM seam")
-        verdict = plan.fusion.get(op_name)
-        if verdict is not None and plan.route == "auto":
-            state += (" (compiled: routed)" if verdict.route_compiled
-                      else " (compiled: native)")
+        whys = []
+        if op_name in plan.routed:
+            if auto and plan.model is None and decided:
+                # the served model is not known here: each decided model's verdict
+                for key, name in sorted(decided.items()):
+                    d = typed.decisions_for(key).get(op_name)
+                    whys.append(f"{name}: " + (f"{d.decision} ({d.reason})" if d else
+                                               "no decision: vLLM's path"))
+                verdict = plan.fusion.get(op_name)
+                if verdict is not None:
+                    whys.append(f"another model (unmeasured; compiled): {verdict.why}")
+            else:
+                ok, why = plan.route_verdict(op_name, True if compiled is None else compiled)
+                state = ("routed" if ok else "native (decided)" if why.startswith("model-step")
+                         else "not routed")
+                if compiled is None and why.startswith("unmeasured; launch-floor"):
+                    state += " (compiled)"     # eager: routed
+                whys.append(why)
         tables = []
         for t in entry.tables:
             bands = " ".join(f"[{b.lo},{b.hi}]={b.impl_id}" for b in t.bands)
             tables.append(f"{t.dtype} {'x'.join(map(str, t.trailing))}: {bands}")
         body = "; ".join(tables) if tables else "(no bands)"
         lines.append(f"  {op_name:<26} {state:<21} {body}  else {entry.fallback}")
-        if verdict is not None and plan.route == "auto":
-            lines.append(f"  {'':<26} {verdict.why}")
+        for why in whys:
+            lines.append(f"  {'':<26} {why}")
     return "\n".join(lines)
 
 
@@ -367,7 +468,7 @@ def apply(settings: Settings) -> Optional[Plan]:
         plan = build_plan(manifest, source, device_type=device_type, capability=cap,
                           strict=settings.strict, exact_device=device_type == "cpu",
                           settings=settings)
-        if plan.routed:
+        if plan.possible_routes():
             conflicts = ops.oot_conflicts()
             if conflicts:
                 raise FltunePluginError("another vLLM plugin already replaced "
@@ -375,9 +476,10 @@ def apply(settings: Settings) -> Optional[Plan]:
         from . import hooks
 
         ops.set_plan(plan)
-        if plan.routed:
-            # narrowed to the routes the compile mode keeps in before_load_model
-            ops.register_layers(plan.routed)
+        if plan.possible_routes():
+            # narrowed to what the served model's decisions and the compile mode keep, in
+            # before_load_model
+            ops.register_layers(plan.possible_routes())
         hooks.install_load_model_hooks()
     except Exception as e:
         fail(e, settings, "loading the manifest")

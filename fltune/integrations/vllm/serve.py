@@ -72,6 +72,37 @@ def _device_facts() -> tuple:
     return "cpu", None
 
 
+def served_model_key(vllm_args: Sequence[str]) -> Optional[str]:
+    """The model key (``dispatch.manifest.model_key``) of the model in vLLM's arguments, when
+    its config can be read here without the network (a local directory, or the HF cache);
+    else None (the plan table then lists the decided models; the workers decide by
+    vLLM's own config either way)."""
+    from ...dispatch.manifest import model_key
+
+    args = list(vllm_args)
+    if args and args[0] == "--":
+        args = args[1:]
+    if args and args[0] == "serve":
+        args = args[1:]
+    model = args[0] if args and not args[0].startswith("-") else None
+    for i, a in enumerate(args):
+        if a == "--model" and i + 1 < len(args):
+            model = args[i + 1]
+        elif a.startswith("--model="):
+            model = a.split("=", 1)[1]
+    if not model:
+        return None
+    cfg = Path(model) / "config.json"
+    try:
+        if cfg.is_file():
+            return model_key(json.loads(cfg.read_text()))
+        from transformers import AutoConfig
+
+        return model_key(AutoConfig.from_pretrained(model, local_files_only=True))
+    except Exception:
+        return None
+
+
 def vllm_argv(vllm_args: Sequence[str], fingerprint: Optional[str],
               route: str = "auto") -> list:
     """The server's argv: model positional -> --model, fingerprint and route mode merged
@@ -111,7 +142,7 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     env = dict(os.environ if environ is None else environ)
     for k in (plugin.ENV_MANIFEST, plugin.ENV_DB, plugin.ENV_STRICT):
         env.pop(k, None)
-    route = (env.get(plugin.ENV_ROUTE) or "auto").strip().lower()
+    route = plugin.normalize_route(env.get(plugin.ENV_ROUTE))
     try:
         plugin.check_route(route)
         manifest, manifest_file, source = resolve(manifest_or_db_path, strict)
@@ -129,9 +160,12 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
               f"(pass --strict to refuse instead).\n{bar}", file=out, flush=True)
         return vllm_argv(vllm_args, None), env, None
     env[plugin.ENV_MANIFEST] = manifest_file
+    if route != "auto":
+        env[plugin.ENV_ROUTE] = route            # the canonical spelling, in every process
     if strict:
         env[plugin.ENV_STRICT] = "1"
-    print(plugin.plan_table(plan), file=out, flush=True)
+    key = served_model_key(vllm_args)
+    print(plugin.plan_table(plan.with_model(key) if key else plan), file=out, flush=True)
     return vllm_argv(vllm_args, plan.fingerprint, route), env, plan
 
 
