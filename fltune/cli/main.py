@@ -301,9 +301,21 @@ def _write_json(doc, out):
 
 
 def cmd_bench(a) -> int:
+    if a.e2e:
+        return cmd_bench_e2e(a)
     from ..evaluate import bench
     from .render import render_bench
 
+    if a.out is not None:
+        try:
+            _out_arg(a.out)
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"argument --out: {e}") from None
+    for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
+                     ("--engine", a.engine)):
+        if v is not None:
+            raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
+    a.db = a.db or DEFAULT_DB
     dev = _device(a)
     settings = bench.BenchSettings(device=dev, reps=a.reps, budget_s=a.budget,
                                    cold_l2=a.cold_l2, copy_mib=a.copy_mib)
@@ -336,6 +348,88 @@ def cmd_bench(a) -> int:
         if a.out:
             con.print(f"wrote {a.out}")
     return 0
+
+
+def cmd_bench_e2e(a) -> int:
+    """`fltune bench --e2e`: vLLM arms in separate processes, alternated, ratio to vanilla
+    with a bootstrap CI per scenario (evaluate/e2e.py)."""
+    import os
+    import shlex
+
+    from ..evaluate import e2e
+    from .render import render_e2e
+
+    dev = _device(a)
+    try:
+        arms = [e2e.parse_arm(x) for x in (a.arm or [])]
+    except ValueError as e:
+        raise UsageError(f"--arm: {e}") from None
+    if not arms:
+        arms = [e2e.Arm("vanilla", {}), e2e.Arm("aa", {})]
+        if a.db:
+            arms.append(e2e.Arm("calibrated", {"FLTUNE_DB": os.path.abspath(a.db)}))
+    if a.baseline not in [x.name for x in arms]:
+        arms.insert(0, e2e.Arm(a.baseline, {}))
+    names = [x.name for x in arms]
+    if len(set(names)) != len(names):
+        raise UsageError(f"--arm: arm names must be unique, got {', '.join(names)}")
+    for x in arms:
+        for k in ("FLTUNE_DB", "FLTUNE_MANIFEST"):
+            if k in x.env and not os.path.isfile(x.env[k]):
+                raise UsageError(f"--arm {x.name}: {x.env[k]} does not exist")
+    try:
+        scenarios = (e2e.scenarios_by_name([n.strip() for n in a.scenarios.split(",")
+                                            if n.strip()], dev)
+                     if a.scenarios else e2e.default_scenarios(dev))
+    except ValueError as e:
+        raise UsageError(f"--scenarios: {e}") from None
+    engine = None
+    if a.engine:
+        try:
+            engine = json.loads(a.engine)
+            assert isinstance(engine, dict)
+        except (ValueError, AssertionError):
+            raise UsageError(f"--engine: expected a JSON object, got {a.engine!r}") from None
+    if a.out and os.path.isfile(a.out):
+        raise UsageError(f"--out {a.out}: with --e2e, --out names a directory")
+    reps = a.reps or 10
+    warmup = 2 if a.warmup is None else a.warmup
+    con = _console(a.quiet or a.json)
+
+    def progress(event, **kw):
+        if event == "starting":
+            con.print(f"starting arm {kw['arm']} ...")
+        elif event == "started" and not kw["ok"]:
+            con.print(f"[yellow]arm {kw['arm']} did not start:[/] {kw['error']}")
+        elif event == "rep":
+            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {kw['rep'] + 1 - (0 if kw['warmup'] else warmup)} "
+                      f"{kw['scenario']}")
+        elif event == "profiled":
+            con.print(f"kernel profile {kw['scenario']}")
+
+    def run():
+        return e2e.run_e2e(a.model, arms, scenarios, reps=reps, warmup=warmup,
+                           baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
+                           out_dir=a.out, progress=progress, device_type=dev)
+
+    res = _interruptible((run, _measured_only("bench --e2e")))
+    device = res.device_name
+    if device is None:
+        from ..store import device as devmod
+        device = devmod.current(dev).get("name", dev)
+    argv = getattr(a, "argv", None)
+    command = "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
+    doc = res.to_summary(device=device, model=a.model, vllm=res.vllm_version or "?",
+                         command=command)
+    if a.out:
+        _write_json(doc, os.path.join(a.out, "e2e-summary.json"))
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        render_e2e(doc)
+        if a.out:
+            con.print(f"wrote {os.path.join(a.out, 'e2e-summary.json')} and e2e-raw.json")
+    return 0 if doc["points"] else 1
 
 
 def cmd_verify(a) -> int:
@@ -536,7 +630,7 @@ def _add_bench(sub) -> None:
     c = sub.add_parser("bench", help="manifest pick vs fixed FL order vs every backend vs "
                                      "the oracle, measured now")
     c.add_argument("--model", required=True, help=MODEL_HELP)
-    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
+    c.add_argument("--db", help=DB_HELP + "; with --e2e, adds the arm calibrated=db:DB")
     c.add_argument("--db-device", help="the DB's device row to freeze (key prefix or name; "
                                        "default: this machine's)")
     c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
@@ -546,7 +640,8 @@ def _add_bench(sub) -> None:
                    help="largest token band (default 16384 on GPU, 2048 on CPU)")
     c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of the workload's ops")
     c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
-                   help="timing samples (0 = adaptive)")
+                   help="timing samples (0 = adaptive); with --e2e, measured repetitions "
+                        "(0 = 10)")
     c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,
                    help="seconds of timing per candidate when adaptive (default 0.05)")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
@@ -555,7 +650,22 @@ def _add_bench(sub) -> None:
     c.add_argument("--device", choices=["cpu", "cuda"],
                    help="device to measure on (default: cuda when available, else cpu)")
     _isolate_args(c, "race")
-    c.add_argument("--out", type=_out_arg, help=OUT_HELP)
+    e = c.add_argument_group("end to end (--e2e)")
+    e.add_argument("--e2e", action="store_true",
+                   help="measure vLLM end to end instead: one engine process per arm, arms "
+                        "alternated, ratio to vanilla with a 95%% bootstrap CI per scenario")
+    e.add_argument("--arm", action="append", metavar="NAME=SPEC",
+                   help="SPEC: vanilla | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
+                        "default: vanilla, aa=vanilla, and calibrated=db:DB when --db is given)")
+    e.add_argument("--scenarios", help="comma-separated: decode_bB[_oN], prefill_N (default: "
+                                       "decode_b1,b16,b64 and prefill_2048,8192 on CUDA)")
+    e.add_argument("--warmup", type=_int_in(0, 1000), help="unmeasured rounds (default 2)")
+    e.add_argument("--baseline", default="vanilla", help="the arm ratios are taken against")
+    e.add_argument("--engine", help="JSON object of vLLM engine arguments over the defaults")
+    e.add_argument("--kernel-profile", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU kernel time per step from torch.profiler (default: on CUDA)")
+    c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
+                                            "e2e-raw.json and the worker logs)")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_bench)
@@ -635,6 +745,7 @@ def main(argv=None) -> int:
     from ..tune.workload import ModelConfigError
 
     a = build_parser().parse_args(argv)
+    a.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return a.fn(a)
     except Interrupted as e:

