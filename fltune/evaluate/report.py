@@ -13,6 +13,11 @@ precision and the FL order, not on timing (``tune/noise.py``). A DB written befo
 3 has no stored flag; the same rule is applied to its stored measurements
 (``undecided_source: "derived"``). The document ends with the undecided bands, the machine
 probes of the newest run, and the way out.
+
+Routing decided by model-step measurement (schema 4, ``evaluate/model_step.py``): the
+document's ``route_decisions`` lists, per model and op, whether the plugin routes it or
+leaves vLLM's path, the reason and rule, and the evidence summary (per scenario: the ratio
+of throughputs to vanilla vLLM, median and 95 % CI, and the kernel times per step).
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
         runs = [r for r in db.runs(dev["device_key"]) if r["driver"] == dev["driver"]]
         probes = db.noise_probes(dev["device_key"], dev["driver"],
                                  runs[-1]["id"] if runs else None)
+        decisions = route_decisions_doc(db.route_decisions(dev["device_key"], dev["driver"]))
     finally:
         db.close()
     margins = {r["id"]: json.loads(r["settings"] or "{}").get("margin", WIN_MARGIN)
@@ -96,6 +102,7 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
                                              "winner", "gap", "band_noise")}
                           for r in undecided],
             "noise_probes": probes,
+            "route_decisions": [d for d in decisions if op is None or d["op"] == op],
             "way_out": noise_way_out(db_path, last) if undecided else None,
             "summary": {"bands": len(rows),
                         "bands_where_measured_differs_from_fl": sum(
@@ -106,6 +113,27 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
                         "weighted_speedup_vs_fl": (num / den) if den else None,
                         "max_speedup_vs_fl": max((r["speedup_vs_fl"] for r in rows
                                                   if r["speedup_vs_fl"]), default=None)}}
+
+
+def route_decisions_doc(rows: list) -> list:
+    """DB rows (``CalibrationDB.route_decisions``) as the report's entries: per model and op,
+    the decision, the reason, the rule and the evidence summary (per scenario: ratio median
+    and CI)."""
+    out = []
+    for r in rows:
+        ev = r.get("evidence") or {}
+        out.append({"model": r.get("model_name") or r["model"], "model_key": r["model"],
+                    "op": r["op"], "decision": r["decision"], "reason": r["reason"],
+                    "rule": r["rule"], "stack_key": r.get("stack_key"),
+                    "decided_at": r.get("created_at"), "reps": ev.get("reps"),
+                    "routed_impls": ev.get("routed_impls") or [],
+                    "command": ev.get("command"),
+                    "points": [{k: p.get(k) for k in ("scenario", "n", "ratio_median", "ci_low",
+                                                      "ci_high", "kernel_us_arm",
+                                                      "kernel_us_vanilla")}
+                               for p in ev.get("points") or []]})
+    return out
+
 
 
 def noise_way_out(db_path: str, run: dict) -> str:

@@ -1,0 +1,212 @@
+"""Routing decided by model-step measurement (issue 11, point 3).
+
+Per op of a model, whether the vLLM plugin routes it (``route``) or leaves vLLM's own path
+untouched (``native``), decided from the model's measured step time with and without it on
+this device — not from the op's time alone (a routed op is an opaque custom op: what it wins
+in isolation it can lose in the model, where vLLM's compiled path is fused with its
+neighbours).
+
+What is measured: the ops the frozen manifest would route for the model (its workload's ops
+whose picks are not all vLLM's own path or PyTorch: ``dispatch.manifest.is_native``; and, when
+given, only those a vLLM seam calls). For each, one arm that routes that op alone
+(``FLTUNE_DB=<db>``, ``FLTUNE_ROUTE=ops:<op>``), all measured against vanilla vLLM in one
+:func:`fltune.evaluate.e2e.run_e2e` call (one vanilla worker shared, arms interleaved).
+An op whose picks are all native gets a ``native`` row without a run.
+
+The rule, :data:`RULE` = ``model-step/1``, per op on its arm's points (one per scenario;
+ratio = arm throughput / vanilla throughput, with a 95 % CI):
+
+- **route** iff at least one scenario is measurably faster (``ci_low > 1.00``), no scenario is
+  measurably slower (``ci_high < 1.00``), and, where both kernel times per step are known, no
+  scenario's kernel time exceeds vanilla's by more than :data:`KERNEL_TOLERANCE` (2 %: the
+  profiler's per-step kernel time has no CI of its own; 2 % is above the run-to-run spread of
+  a kernel-time total and below any effect worth routing for);
+- otherwise **native**, with the reason: ``slower`` (names the scenarios), ``mixed`` (faster
+  somewhere, slower elsewhere), ``kernel`` (kernel time above vanilla's), ``tie`` (every CI
+  contains 1.00), or ``unmeasured`` (the arm gave no point).
+
+Everything of one adjudication is written in one transaction (``route_decisions``, schema 4),
+each row with its evidence: the arm's points, the scenarios, reps, the routed
+implementations, the model and the command. ``freeze`` puts the decisions into the manifest;
+the plugin's default route mode follows them for the served model.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from typing import Callable, Optional
+
+from ..dispatch.manifest import Manifest, is_native, model_key
+from ..freeze import build_manifest
+from ..store import CalibrationDB
+from ..store import device as devmod
+from ..store.device import resolve_device
+from ..tune.workload import derive, load_config
+
+RULE = "model-step/1"
+KERNEL_TOLERANCE = 0.02
+ALL_NATIVE_REASON = "the race's winners are vLLM's own path"
+
+
+def arm_name(op: str) -> str:
+    return f"only:{op}"
+
+
+def decide(points: list) -> tuple:
+    """(decision, reason) of one op from its arm's e2e points (see the module docstring)."""
+    pts = [p for p in points if p.get("ci_low") is not None and p.get("ci_high") is not None]
+    if not pts:
+        return "native", "unmeasured: the arm gave no e2e point"
+
+    def ci(p):
+        return f"{p['scenario']} CI [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+
+    faster = [p for p in pts if p["ci_low"] > 1.0]
+    slower = [p for p in pts if p["ci_high"] < 1.0]
+    kernel = [p for p in pts if p.get("kernel_us_arm") and p.get("kernel_us_vanilla")
+              and p["kernel_us_arm"] > p["kernel_us_vanilla"] * (1 + KERNEL_TOLERANCE)]
+    if faster and slower:
+        return "native", ("mixed: faster at " + ", ".join(map(ci, faster)) + "; slower at "
+                          + ", ".join(map(ci, slower)))
+    if slower:
+        return "native", "slower: " + ", ".join(map(ci, slower)) + " below 1.00"
+    if kernel:
+        return "native", ("kernel time per step above vanilla's by more than "
+                          f"{KERNEL_TOLERANCE:.0%}: " + ", ".join(
+                              f"{p['scenario']} {p['kernel_us_arm']:.1f} vs "
+                              f"{p['kernel_us_vanilla']:.1f} us" for p in kernel))
+    if faster:
+        return "route", ("faster at " + ", ".join(map(ci, faster)) + "; never measurably "
+                         "slower")
+    return "native", ("tie: CI contains 1.00 at every scenario (" + ", ".join(map(ci, pts))
+                      + ")")
+
+
+def candidate_ops(manifest: Manifest, model_ops, seamed=None) -> tuple:
+    """(ops to measure -> their non-native impls, ops whose picks are all native) among
+    ``model_ops`` present in ``manifest``; ``seamed`` (the vLLM integration's
+    ``SEAMED_OPS``), when given, leaves out ops no seam could route."""
+    measure, native = {}, []
+    for op in sorted(set(model_ops) & set(manifest.ops)):
+        impls = [i for i in dict.fromkeys(manifest.ops[op].impl_ids()) if not is_native(i)]
+        if not impls:
+            native.append(op)
+        elif seamed is None or op in seamed:
+            measure[op] = sorted(impls)
+    return measure, native
+
+
+def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
+               scenarios: Optional[list] = None, reps: int = 10, warmup: int = 2,
+               ops: Optional[list] = None, seamed=None, engine: Optional[dict] = None,
+               kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
+               progress: Optional[Callable] = None, measure: Optional[Callable] = None,
+               command: Optional[str] = None) -> dict:
+    """Measure and store the routing decisions of ``model`` (a profile name, a config
+    directory or config.json) on this device, from the calibration DB ``db_path``.
+
+    ``ops`` restricts the ops measured; ``seamed``: the ops a vLLM seam can route (the CLI
+    passes ``integrations.vllm.ops.SEAMED_OPS``; this stage cannot import it). ``measure``
+    is :func:`fltune.evaluate.e2e.run_e2e` by default (same signature; tests inject recorded
+    points). Returns the document: device, model, model key, rule, scenarios, reps, and one
+    decision per op with its evidence, as written to the DB in one transaction."""
+    from . import e2e
+
+    measure = measure or e2e.run_e2e
+    src, cfg = load_config(model)
+    model_ops = {i.op for i in derive(model).items}
+    db = CalibrationDB(db_path, create=False)
+    try:
+        dev = resolve_device(db, device)
+    finally:
+        db.close()
+    manifest_json, warnings = build_manifest(db_path, device=device)
+    manifest = Manifest.from_json(manifest_json, db_path)
+    to_measure, all_native = candidate_ops(manifest, model_ops, seamed)
+    if ops is not None:
+        to_measure = {op: v for op, v in to_measure.items() if op in set(ops)}
+        all_native = [op for op in all_native if op in set(ops)]
+    if scenarios is None:
+        scenarios = e2e.default_scenarios(dev["device_type"])
+    command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    key = model_key(_served_config(model, cfg))
+    result = None
+    points: dict = {op: [] for op in to_measure}
+    if to_measure:
+        arms = [e2e.Arm("vanilla", {})] + [
+            e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
+            for op in to_measure]
+        result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
+                         engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
+                         progress=progress)
+        got = getattr(result, "points", result)
+        for p in got:
+            name = p.get("arm", "")
+            if name.startswith("only:") and name[len("only:"):] in points:
+                points[name[len("only:"):]].append(p)
+        key = _reported_key(result) or key
+    scen = [_scenario_json(s) for s in scenarios]
+    stack_key = devmod.stack_key(devmod.stack())
+    rows = []
+    for op in sorted(set(to_measure) | set(all_native)):
+        if op in to_measure:
+            decision, reason = decide(points[op])
+            arm = next((a for a in (getattr(result, "arms_info", None) or {}).items()
+                        if a[0] == arm_name(op)), (None, {}))[1]
+            evidence = {"points": points[op], "scenarios": scen, "reps": reps,
+                        "warmup": warmup, "routed_impls": to_measure[op],
+                        "arm": arm_name(op), "command": command, "model": src,
+                        "effective_routes": (arm.get("counters") or {}).get(
+                            "effective_routes") if isinstance(arm, dict) else None}
+        else:
+            decision, reason = "native", ALL_NATIVE_REASON
+            evidence = {"points": [], "routed_impls": [], "command": command, "model": src,
+                        "winners": sorted(set(manifest.ops[op].impl_ids()))}
+        rows.append({"device_key": dev["device_key"], "driver": dev["driver"],
+                     "stack_key": stack_key, "model": key, "model_name": src, "op": op,
+                     "decision": decision, "reason": reason, "evidence": evidence,
+                     "rule": RULE})
+    db = CalibrationDB(db_path, create=False, write=True)
+    try:
+        db.record_route_decisions(rows)
+    finally:
+        db.close()
+    return {"device": {k: dev.get(k) for k in ("device_key", "driver", "name",
+                                                "device_type")},
+            "model": src, "model_key": key, "rule": RULE, "scenarios": scen, "reps": reps,
+            "warmup": warmup, "command": command, "warnings": warnings,
+            "decisions": [{k: r[k] for k in ("op", "decision", "reason", "evidence")}
+                          for r in rows]}
+
+
+def _served_config(model: str, cfg: dict) -> dict:
+    """The config vLLM is given for ``model`` (a Qwen3.5 profile becomes its multimodal
+    wrapper), so the key matches the one the plugin computes from vLLM's config."""
+    try:
+        from .model_dir import build_config
+        return build_config(cfg)
+    except Exception:
+        return cfg
+
+
+def _reported_key(result) -> Optional[str]:
+    """The model key the routed arms' workers computed from vLLM's own config (their
+    counters record ``model_key``), when they report one: what the plugin will match."""
+    for name, info in (getattr(result, "arms_info", None) or {}).items():
+        if name.startswith("only:") and isinstance(info, dict):
+            k = (info.get("counters") or {}).get("model_key")
+            if k:
+                return k
+    return None
+
+
+def _scenario_json(s) -> dict:
+    if isinstance(s, dict):
+        return s
+    return {k: getattr(s, k) for k in ("name", "kind", "batch", "prompt_len", "output_len")}
+
+
+def adjudicate_command(db_path: str, model: str) -> str:
+    return f"fltune adjudicate --db {shlex.quote(str(db_path))} --model {shlex.quote(model)}"
+
+

