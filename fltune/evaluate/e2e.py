@@ -142,7 +142,7 @@ def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
                enable_prefix_caching=False)
     if device_type == "cuda":
         eng.update(dtype="bfloat16", max_model_len=8448, max_num_batched_tokens=8192,
-                   max_num_seqs=64, gpu_memory_utilization=0.2,
+                   gpu_memory_utilization=0.2,
                    kv_cache_memory_bytes=4 << 30)
         if is_multimodal_wrapper(cfg) or "Qwen3_5" in "".join(cfg.get("architectures", [])):
             eng["limit_mm_per_prompt"] = {"image": 0, "video": 0}
