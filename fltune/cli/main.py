@@ -7,6 +7,8 @@
   devices      the device keys a DB holds
   serve        vLLM with a calibrated DB (freeze for this device, then exec vLLM's server)
   bench        manifest pick vs fixed FL order vs each backend vs oracle, measured now
+               (``--e2e``: vLLM end to end, arms alternated, ratio to vanilla with a CI)
+  adjudicate   route or leave native, per op, by the model's measured step time
   verify       re-measure a DB's winners; exit 1 when it is stale
   refine       bisect the crossover between neighbouring bands' winners into the DB
   diff         two DBs (or two devices of one) side by side
@@ -432,6 +434,52 @@ def cmd_bench_e2e(a) -> int:
     return 0 if doc["points"] else 1
 
 
+def cmd_adjudicate(a) -> int:
+    """`fltune adjudicate`: per op the DB would route for the model, one vLLM arm routing it
+    alone against vanilla (evaluate/model_step.py); decisions stored in the DB."""
+    import os
+    import shlex
+
+    from ..evaluate import e2e, model_step
+    from ..integrations.vllm.ops import SEAMED_OPS
+    from .render import render_adjudication
+
+    dev = _device(a)
+    if not os.path.isfile(a.db):
+        raise UsageError(f"--db {a.db} does not exist: calibrate first "
+                         f"(fltune calibrate --model {a.model} --db {a.db})")
+    try:
+        scenarios = (e2e.scenarios_by_name([n.strip() for n in a.scenarios.split(",")
+                                            if n.strip()], dev) if a.scenarios else None)
+    except ValueError as e:
+        raise UsageError(f"--scenarios: {e}") from None
+    con = _console(a.quiet or a.json)
+    argv = getattr(a, "argv", None)
+    command = "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+    def progress(event, **kw):
+        if event == "starting":
+            con.print(f"starting arm {kw['arm']} ...")
+        elif event == "rep":
+            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {kw['rep'] + 1} {kw['scenario']}")
+
+    def run():
+        return model_step.adjudicate(a.db, a.model, device=a.db_device, scenarios=scenarios,
+                                     reps=a.reps, warmup=a.warmup,
+                                     ops=a.ops.split(",") if a.ops else None,
+                                     seamed=SEAMED_OPS, out_dir=a.out, progress=progress,
+                                     command=command)
+
+    doc = _interruptible((run, _measured_only("adjudicate")))
+    if a.out:
+        _write_json(doc, os.path.join(a.out, "adjudication.json"))
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        render_adjudication(doc)
+    return 0
+
+
 def cmd_verify(a) -> int:
     from ..evaluate import verify
     from .render import render_verify
@@ -672,6 +720,23 @@ def _add_bench(sub) -> None:
 
 
 def _add_verify(sub) -> None:
+    c = sub.add_parser("adjudicate", help="route or leave native, per op, by the model's "
+                                          "measured step time with and without it (vLLM)")
+    c.add_argument("--model", required=True, help=MODEL_HELP)
+    c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
+    c.add_argument("--db-device", help="the DB's device row (key prefix or name; default: "
+                                       "this machine's)")
+    c.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    c.add_argument("--ops", help="comma-separated subset of the ops to measure")
+    c.add_argument("--scenarios", help="comma-separated e2e scenarios (default: the device's)")
+    c.add_argument("--reps", type=int, default=10, help="measured repetitions per arm")
+    c.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
+    c.add_argument("--out", help="a directory for adjudication.json, the e2e raw data and "
+                                 "the worker logs")
+    c.add_argument("--quiet", action="store_true")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(fn=cmd_adjudicate)
+
     c = sub.add_parser("verify", help="re-measure the DB's winners now; exit 1 if stale")
     c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
     c.add_argument("--device", help="the DB's device row (key prefix or name, @DRIVER); must "

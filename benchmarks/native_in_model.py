@@ -1,0 +1,275 @@
+"""Is ``native.vllm`` what vLLM runs? Its time per call against the same op's kernel time
+inside the real vLLM model, from a profiler trace.
+
+    PYTHONPATH=/tmp/site:/tmp/vsite:$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+        python3 benchmarks/native_in_model.py --profile Qwen3.5-0.8B --out DIR
+
+Two parts in one process, so they see the same GPU, clocks and library versions:
+
+1. **In the model.** vLLM's ``LLM`` in-process (so ``torch.profiler`` sees every kernel,
+   including those replayed from CUDA graphs), vLLM's defaults (Inductor, CUDA graphs),
+   dummy weights, prefix caching off. Decode at batch B: a step's kernels = (run of 65
+   output tokens - run of 1) / 64, so prefill and start-up cancel out; prefill of L tokens:
+   one prompt, ``max_tokens=1``. Every kernel is kept with its count and time per step.
+2. **Alone.** For each op the model calls (fltune's workload for the profile) and each
+   scenario's token count: ``native.vllm`` and ``inductor.standalone`` timed the way the
+   race times them (``tune/timing.py``: CUDA-graph replay; cold L2 above 512 tokens), and
+   profiled once so their kernels' names and durations are known too.
+
+Attribution. Inductor names a generated kernel after the aten ops it fused
+(``triton_poi_fused_mul_silu_slice_0``), so a standalone ``native.vllm`` kernel and the
+model's kernel for the same op carry the same name stem when Inductor fused them the same
+way. An op's in-model time per call = the time of the model's kernels whose stem equals a
+stem of the op's standalone kernels, divided by the op's calls per step. Where the model
+fused the op with a neighbour the standalone does not have, no stem matches, and the table
+says "fused differently" instead of guessing.
+
+Writes DIR/native-in-model-<profile>.json (everything, raw) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SCENARIOS = {"decode_b1": ("decode", 1), "decode_b16": ("decode", 16),
+             "decode_b64": ("decode", 64), "prefill_2048": ("prefill", 2048),
+             "prefill_8192": ("prefill", 8192)}
+
+
+def stem(kernel_name: str) -> str:
+    """``triton_poi_fused_mul_silu_slice_0`` -> ``triton_poi_fused_mul_silu_slice``."""
+    return re.sub(r"_\d+$", "", kernel_name.split("(")[0].strip())
+
+
+def kernels_of(prof) -> dict:
+    """{kernel name: [count, total µs]} of the CUDA kernels in a profile."""
+    agg = {}
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        tr = json.load(f)
+    os.remove(path)
+    for e in tr.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            a = agg.setdefault(e["name"], [0, 0.0])
+            a[0] += 1
+            a[1] += float(e.get("dur", 0))
+    return agg
+
+
+def in_model(profile: str, scenarios: list, engine: dict) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    from vllm import LLM, SamplingParams
+    from h200_serve import model_dir
+
+    t0 = time.time()
+    kw = dict(model=model_dir(profile), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=8448, max_num_batched_tokens=8192,
+              gpu_memory_utilization=0.4, seed=0, enable_prefix_caching=False)
+    if profile.startswith("Qwen3.5"):
+        kw.update(limit_mm_per_prompt={"image": 0, "video": 0},
+                  additional_config={"gdn_prefill_backend": "triton"})
+    kw.update(engine)
+    llm = LLM(**kw)
+    out = {"init_s": round(time.time() - t0, 1), "engine": {k: v for k, v in kw.items()
+                                                           if k != "model"}, "scenarios": {}}
+    rng = random.Random(0)
+
+    def run(prompts, n):
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        torch.cuda.synchronize()
+        llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+
+    def profiled(prompts, n):
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            run(prompts, n)
+        return kernels_of(p)
+
+    with tprofile(activities=[ProfilerActivity.CUDA]):      # CUPTI warm-up
+        torch.ones(8, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    for name in scenarios:
+        kind, size = SCENARIOS[name]
+        if kind == "decode":
+            prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(16)]}
+                       for _ in range(size)]
+            run(prompts, 65), run(prompts, 1)
+            k65, k1 = profiled(prompts, 65), profiled(prompts, 1)
+            per_step = {}
+            for k in set(k65) | set(k1):
+                c = (k65.get(k, [0, 0])[0] - k1.get(k, [0, 0])[0]) / 64
+                t = (k65.get(k, [0, 0])[1] - k1.get(k, [0, 0])[1]) / 64
+                if c > 0.5:
+                    per_step[k] = [round(c, 2), round(t, 3)]
+            tokens = size
+        else:
+            prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(size)]}]
+            run(prompts, 1), run(prompts, 1)
+            per_step = {k: [v[0], round(v[1], 3)] for k, v in profiled(prompts, 1).items()}
+            tokens = size
+        out["scenarios"][name] = {"tokens": tokens, "kernels": per_step}
+        print(f"IN-MODEL {name}: {len(per_step)} kernels, "
+              f"{sum(v[1] for v in per_step.values()):.0f} us/step", flush=True)
+    return out
+
+
+def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    from fltune.dispatch.discovery import discover
+    from fltune.dispatch.registry import OpRegistry
+    from fltune.ops import OPS, clone_args, dtype_from_name
+    from fltune.tune import timing
+    from fltune.tune.workload import derive
+
+    reg = OpRegistry()
+    discover(reg)
+    work = derive(profile)
+    seen, rows = set(), []
+    for item in work.items:
+        if item.op not in OPS or (item.op, item.dims) in seen:
+            continue
+        seen.add((item.op, item.dims))
+        spec, dims = OPS[item.op], item.dims_dict
+        dtype = dtype_from_name(item.dtype)
+        for name in scenarios:
+            kind, size = SCENARIOS[name]
+            tokens = size
+            gen = torch.Generator().manual_seed(0)
+            args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
+            calls, impls = {}, {}
+            for iid in impl_ids:
+                try:
+                    impl = reg.get(item.op, iid)
+                except Exception:
+                    continue
+                if impl.unsupported(args):
+                    continue
+                impls[iid] = impl
+                own = clone_args(args)
+                calls[iid] = (lambda fn=impl.fn, a=own: fn(*a))
+            if not calls:
+                continue
+            times = timing.time_candidates(calls, "cuda", reps=30,
+                                           cold_l2=tokens > 512)
+            row = {"op": item.op, "where": item.where, "signature": item.signature,
+                   "calls_per_step": item.calls, "scenario": name, "tokens": tokens,
+                   "timed": {}, "kernels": {}}
+            for iid, t in times.items():
+                row["timed"][iid] = (round(t.median_us, 3) if isinstance(t, timing.Timing)
+                                     else f"raised: {t}")
+                with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+                    for _ in range(10):
+                        calls[iid]()
+                    torch.cuda.synchronize()
+                row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
+                                       for k, v in kernels_of(p).items()}
+            rows.append(row)
+            print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
+    return {"rows": rows}
+
+
+def attribute(doc: dict) -> list:
+    """The validation table: per (op, signature, scenario) native.vllm's race time and
+    kernel time per call against the model's kernel time per call for the same stems."""
+    table = []
+    for row in doc["alone"]["rows"]:
+        sc = doc["in_model"]["scenarios"].get(row["scenario"])
+        own = row["kernels"].get("native.vllm") or {}
+        if sc is None or not own:
+            continue
+        stems = {stem(k) for k in own}
+        model_k = {k: v for k, v in sc["kernels"].items() if stem(k) in stems}
+        # several ops (or one op at several signatures) can share a stem: split the
+        # model's time in proportion to the calls each makes per step
+        sharers = [r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
+                   and stems & {stem(k) for k in (r["kernels"].get("native.vllm") or {})}]
+        share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
+        model_calls = sum(v[0] for v in model_k.values())
+        model_us = sum(v[1] for v in model_k.values())
+        kern = sum(v[1] for v in own.values())
+        entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
+                 "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
+                 "native_race_us": row["timed"].get("native.vllm"),
+                 "native_kernel_us": round(kern, 3),
+                 "standalone_race_us": row["timed"].get("inductor.standalone"),
+                 "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
+                 "stem_shared_by": len(sharers)}
+        if model_calls and share_calls:
+            per_call = model_us / share_calls if len(sharers) > 1 else model_us / model_calls
+            entry["in_model_us"] = round(per_call, 3)
+            race = entry["native_race_us"]
+            if isinstance(race, (int, float)):
+                entry["race_vs_model"] = round(race / per_call, 3)
+            entry["kernel_vs_model"] = round(kern / per_call, 3)
+        else:
+            entry["in_model_us"] = None
+            entry["note"] = "fused differently in the model: no kernel with the same stem"
+        table.append(entry)
+    return table
+
+
+def print_table(table: list) -> None:
+    print("| op | signature | scenario | in-model µs/call | native.vllm race µs | ratio "
+          "| native.vllm kernel µs | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for e in table:
+        print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
+              f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
+              f"{e['native_kernel_us']} | {e['standalone_race_us']} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", default="Qwen3.5-0.8B")
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--impls", default="native.vllm,inductor.standalone,vendor.vllm,"
+                                       "flaggems,reference.torch")
+    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--analyse", help="re-attribute an existing JSON, no GPU")
+    a = ap.parse_args()
+    if a.analyse:
+        doc = json.load(open(a.analyse))
+        doc["table"] = attribute(doc)
+        print_table(doc["table"])
+        json.dump(doc, open(a.analyse, "w"), indent=1)
+        return
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"native-in-model-{a.profile}.json")
+    doc = {"profile": a.profile, "command": " ".join(sys.argv), "date": time.strftime("%F")}
+    impl_ids = [i for i in a.impls.split(",") if i]
+    from fltune.dispatch.discovery import discover
+    from fltune.dispatch.registry import OpRegistry
+    reg = OpRegistry()
+    discover(reg)
+    # the registry's ids that match a prefix given on the command line (flaggems -> flaggems.*)
+    ids = sorted({impl.impl_id for op in reg.ops() for impl in reg.get_implementations(op)
+                  if any(impl.impl_id == i or impl.impl_id.startswith(i + ".")
+                         or impl.impl_id.startswith(i) for i in impl_ids)})
+    doc["alone"] = alone(a.profile, scenarios, ids)
+    json.dump(doc, open(path, "w"), indent=1)
+    if not a.skip_model:
+        doc["in_model"] = in_model(a.profile, scenarios, {})
+        doc["table"] = attribute(doc)
+        print_table(doc["table"])
+    json.dump(doc, open(path, "w"), indent=1)
+    print("wrote", path, flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
