@@ -323,6 +323,7 @@ def render_report(rep: dict, console=None, wide: bool = False) -> None:
                   ("" if s["max_speedup_vs_fl"] is None else f" (max {s['max_speedup_vs_fl']:.2f}x)") +
                   f"; undecided (noise above the win margin): {s.get('bands_undecided', 0)}")
     _noise_warning(console, rep)
+    render_route_decisions(rep.get("route_decisions") or [], console)
 
 
 def _noise_warning(console, rep: dict) -> None:
@@ -632,7 +633,11 @@ def render_e2e(doc: dict, console=None) -> None:
                 txt += f" · {p['kernel_us_arm']:.1f}/{p['kernel_us_vanilla']:.1f}"
             cells.append(txt)
         t.add_row(s, "—" if base_us is None else f"{base_us:.1f}", *cells)
-    console.print(t)
+    if doc["points"]:
+        console.print(t)
+    else:
+        console.print(f"[red]no points[/]: the baseline arm {escape(base)} or every other arm "
+                      f"failed (below; each worker's log is in the --out directory)")
     console.print(f"(n = reps; green: CI above 1.00 (faster than {base}), red: CI below 1.00; "
                   f"A/A arms show the instrument's noise: their CI half-width is the smallest "
                   f"effect that can be read)")
@@ -642,7 +647,7 @@ def render_e2e(doc: dict, console=None) -> None:
                           f"{escape(str(a.get('error')))}")
             continue
         bits = []
-        if a.get("tokens_equal_baseline") is not None:
+        if a.get("tokens_equal_baseline") is not None and name != base:
             bits.append("greedy tokens " + ("= " if a["tokens_equal_baseline"] else "≠ ") + base)
         if a.get("routed_calls"):
             bits.append("routed calls " + ", ".join(f"{k} {v}" for k, v in
@@ -653,3 +658,53 @@ def render_e2e(doc: dict, console=None) -> None:
             bits.append(f"[red]failed: {escape(str(a['error']))}[/]")
         console.print(f"arm {escape(name)}: {escape(str(a.get('env') or 'vanilla'))}; "
                       + "; ".join(bits))
+
+
+def _points_cell(points: list) -> str:
+    """Each scenario's ratio to vanilla, median [95% CI], coloured when the CI excludes 1."""
+    out = []
+    for p in points or []:
+        if p.get("ci_low") is None:
+            out.append(f"{p['scenario']} —")
+            continue
+        txt = f"{p['scenario']} {p['ratio_median']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+        if p["ci_low"] > 1.0:
+            txt = f"[green]{txt}[/]"
+        elif p["ci_high"] < 1.0:
+            txt = f"[red]{txt}[/]"
+        out.append(txt)
+    return "\n".join(out) or "no run: nothing to route"
+
+
+def render_route_decisions(rows: list, console=None, title: str = None) -> None:
+    """Per model and op: route or native, why, and the model-step evidence it rests on."""
+    if not rows:
+        return
+    if console is None:
+        console = wide_console(170)
+    t = Table(title=title or "routing decided by model-step measurement (fltune adjudicate)",
+              title_justify="left")
+    for col in ("model", "op", "decision", "reason", "ratio to vanilla per scenario"):
+        t.add_column(col)
+    for r in rows:
+        ev = r.get("evidence") or {}
+        points = r.get("points", ev.get("points"))
+        dec = r["decision"]
+        t.add_row(escape(str(r.get("model") or "")), r["op"],
+                  f"[bold green]{dec}[/]" if dec == "route" else dec,
+                  escape(str(r.get("reason") or "")), _points_cell(points))
+    console.print(t)
+
+
+def render_adjudication(doc: dict, console=None) -> None:
+    """`fltune adjudicate`: the decisions just measured and stored."""
+    if console is None:
+        console = wide_console(170)
+    console.print(f"[bold]fltune adjudicate[/] — {escape(str(doc.get('model')))} on "
+                  f"{escape(str(doc.get('device')))}; rule {doc.get('rule')}; "
+                  f"{doc.get('reps')} reps after {doc.get('warmup')} warm-up")
+    for w in doc.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {escape(str(w))}")
+    rows = [{**d, "model": doc.get("model")} for d in doc.get("decisions") or []]
+    render_route_decisions(rows, console, title="decisions (stored in the DB; freeze and "
+                                                "`fltune serve --db` follow them)")
