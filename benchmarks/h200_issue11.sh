@@ -23,17 +23,20 @@ t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 case ${PHASE:-a} in
 a) {
+  [ -n "$ONLYADJ" ] && NONATIVE=1 && NOCAL=1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
   el "native vs in-model"
-  VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 200 python3 benchmarks/native_in_model.py \
-      --profile "$P" --out "$OUT" || echo "native_in_model rc=$?"
+  [ -n "$NONATIVE" ] || VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 240 python3 benchmarks/native_in_model.py \
+      --profile "$P" --out "$OUT" --impls native.vllm,inductor.standalone || echo "native_in_model rc=$?"
   el "recalibrate"
-  timeout 150 python3 -m fltune calibrate --model "$P" --db $DB --force --quiet --json \
+  [ -n "$NOCAL" ] || timeout 150 python3 -m fltune calibrate --model "$P" --db $DB --force --quiet --json --ops gemma_rms_norm,gemma_fused_add_rms_norm,rms_norm_gated,silu_and_mul,mrope \
       > "$OUT/calibrate.json"; echo "calibrate rc=$?"
   python3 -m fltune report --db $DB > "$OUT/report-after-calibrate.txt"
   el "adjudicate"
-  timeout $(( 560 - ($(date +%s) - t0) )) python3 -m fltune adjudicate --db $DB --model "$P" \
+  left=$(( 570 - ($(date +%s) - t0) ))
+  [ $left -lt ${MINADJ:-330} ] && { echo "only $left s left: adjudicate in the next call (ONLYADJ=1)"; NOADJ=1; }
+  [ -n "$NOADJ" ] || timeout $left python3 -m fltune adjudicate --db $DB --model "$P" \
       --reps ${AREPS:-6} --scenarios "$SC" --out "$OUT/adjudicate" --json > "$OUT/adjudicate.json"
   echo "adjudicate rc=$?"
   cp $DB "$OUT/"

@@ -170,10 +170,16 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
             for iid, t in times.items():
                 row["timed"][iid] = (round(t.median_us, 3) if isinstance(t, timing.Timing)
                                      else f"raised: {t}")
-                with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-                    for _ in range(10):
-                        calls[iid]()
-                    torch.cuda.synchronize()
+                if not isinstance(t, timing.Timing):
+                    continue
+                try:
+                    with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+                        for _ in range(10):
+                            calls[iid]()
+                        torch.cuda.synchronize()
+                except Exception as e:     # a candidate that breaks is a row, not the end
+                    row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
+                    continue
                 row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
                                        for k, v in kernels_of(p).items()}
             rows.append(row)
@@ -188,14 +194,15 @@ def attribute(doc: dict) -> list:
     for row in doc["alone"]["rows"]:
         sc = doc["in_model"]["scenarios"].get(row["scenario"])
         own = row["kernels"].get("native.vllm") or {}
-        if sc is None or not own:
+        if sc is None or not isinstance(own, dict) or not own:
             continue
         stems = {stem(k) for k in own}
         model_k = {k: v for k, v in sc["kernels"].items() if stem(k) in stems}
         # several ops (or one op at several signatures) can share a stem: split the
         # model's time in proportion to the calls each makes per step
         sharers = [r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
-                   and stems & {stem(k) for k in (r["kernels"].get("native.vllm") or {})}]
+                   and isinstance(r["kernels"].get("native.vllm"), dict)
+                   and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
         model_calls = sum(v[0] for v in model_k.values())
         model_us = sum(v[1] for v in model_k.values())

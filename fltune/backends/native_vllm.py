@@ -55,6 +55,7 @@ torch ops (45), above the standalone compile (40), so FL's fixed order is unchan
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import types
 from typing import Callable, Optional
@@ -93,6 +94,9 @@ _TOKEN_DIMS = {
 
 # ---- vLLM's native functions, bound to the op contract -------------------------------
 
+log = logging.getLogger("fltune.native_vllm")
+
+
 def _vllm():
     """The vLLM classes used, or raise ImportError (then the reference is compiled)."""
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
@@ -109,7 +113,11 @@ def _stand_in(cls, take=("forward_native",)):
     """A plain class whose instances carry the attributes ``cls.forward_native`` reads,
     with ``cls``'s own methods (``take``) bound to them: vLLM's code on the call's tensors."""
     def init(self, **attrs):
-        self.__dict__.update(attrs)
+        # setattr, not ``__dict__.update``: Dynamo traces this constructor inside the
+        # compiled graph, and torch 2.11's Dynamo cannot trace ``__dict__.update``
+        # (seen on the H200: "Unsupported method call ... update")
+        for k, val in attrs.items():
+            setattr(self, k, val)
     return type(f"_{cls.__name__}StandIn", (),
                 {**{k: cls.__dict__[k] for k in take}, "__init__": init})
 
@@ -202,6 +210,9 @@ def sources() -> dict:
 
 
 def source(op_name: str) -> str:
+    if op_name in FELL_BACK:
+        return (f"fltune reference (mirrors forward_native; vLLM's function did not trace: "
+                f"{FELL_BACK[op_name]})")
     return sources()[op_name][1]
 
 
@@ -316,9 +327,17 @@ def _ir_native():
     return stack
 
 
-def _build(op_name: str, args: tuple):
+#: op -> why vLLM's own function could not be traced on this torch, and the reference
+#: (which mirrors it) was compiled instead; shown by :func:`source`
+FELL_BACK: dict = {}
+
+
+def _build(op_name: str, args: tuple, use_reference: bool = False):
     spec = OPS[op_name]
     base, _ = sources()[op_name]
+    fallback = spec.functional or spec.reference
+    if use_reference or op_name in FELL_BACK:
+        base = fallback
     tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
     n_args = len(args)
@@ -361,9 +380,19 @@ def _build(op_name: str, args: tuple):
             torch._dynamo.mark_dynamic(t, dims[i])
     dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
                  if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
-    with _ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-            torch._inductor.config.patch(**patches):
-        first = compiled(*tensors)
+    try:
+        with _ir_native(), torch._dynamo.config.patch(**dyn_patch), \
+                torch._inductor.config.patch(**patches):
+            first = compiled(*tensors)
+    except torch._dynamo.exc.Unsupported as e:
+        if base is fallback:
+            raise
+        # this torch's Dynamo cannot trace vLLM's code for the op (a stand-in's
+        # constructor, say): compile the reference, which mirrors forward_native, and say so
+        FELL_BACK[op_name] = str(e).splitlines()[0][:160]
+        log.warning("fltune native.vllm: %s: vLLM's function does not trace here (%s); "
+                    "compiling fltune's reference instead", op_name, FELL_BACK[op_name])
+        return _build(op_name, args, use_reference=True)
     COMPILES[0] += 1
     graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else ())
     if warm is not None:
