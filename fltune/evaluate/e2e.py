@@ -1,6 +1,6 @@
 """End-to-end instrument: vLLM arms in separate processes, measured interleaved (issue 11).
 
-Each arm is one worker process (``fltune.evaluate.e2e_worker``) holding an in-process vLLM
+Each arm is one worker process (``fltune.integrations.vllm.e2e_worker``) holding an in-process vLLM
 ``LLM`` with the same engine arguments; only the arm's environment differs (``{}`` is
 vanilla vLLM: every ``FLTUNE_*`` variable removed, so fltune's plugin stays inert). Workers
 start one after another (each sizes nothing from free memory: the KV cache size is fixed in
@@ -189,7 +189,7 @@ class _Proc:
         self.arm = arm
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-m", "fltune.evaluate.e2e_worker",
+        self.p = subprocess.Popen([sys.executable, "-m", "fltune.integrations.vllm.e2e_worker",
                                    spec_path], env=env, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.log, text=True,
                                   bufsize=1)

@@ -1,11 +1,15 @@
 """One arm of the end-to-end instrument: an in-process vLLM ``LLM`` driven by JSON lines.
 
-    python -m fltune.evaluate.e2e_worker SPEC.json      (started by fltune.evaluate.e2e)
+    python -m fltune.integrations.vllm.e2e_worker SPEC.json      (started by fltune.evaluate.e2e)
 
 The parent sets this process's environment (the arm's ``FLTUNE_*`` overlay, and
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so engine core and model run here: nothing else runs
 while the arm is idle, and torch.profiler sees its kernels) before Python starts, so vLLM
 loads fltune's plugin through its entry point with the arm's settings.
+
+It lives with the vLLM integration, not with ``evaluate/e2e.py`` that drives it: it is a vLLM
+process and reads the plugin's own state there (status, load_model hook record, counters),
+and the stages import one way only (``tests/test_architecture.py``).
 
 Protocol: one JSON object per line on stdin (a command), one per line on a private copy of
 the original stdout (the reply). Everything else this process prints, vLLM's logs included,
