@@ -167,6 +167,23 @@ def merge_engine(base: dict, over: dict | None) -> dict:
     return out
 
 
+def core_sets(n_arms: int, cpus=None) -> list:
+    """Disjoint CPU core sets, one per arm, or ``[]`` when there are too few cores to give
+    each arm two.
+
+    Why: the first H200 A/A run (benchmarks/results/h200-2026-11-30-i11) read a per-step
+    wall time that varied ±5-30 % between repetitions of the same arm, while the GPU kernel
+    time per step agreed within 0.4 %: the noise is on the host, where every idle engine
+    keeps its threads (torch's intra-op pool, vLLM's) on the cores the busy one uses. Pinning
+    each arm to its own cores (and its thread pools to their count) takes that away.
+    Not yet measured on the H200 at the time of writing."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    per = len(cpus) // max(1, n_arms)
+    if per < 2:
+        return []
+    return [set(cpus[i * per:(i + 1) * per]) for i in range(n_arms)]
+
+
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
     """The worker's environment: ``base`` without any FLTUNE_* variable, then ``extra``
     (engine-wide settings), then the arm's overlay."""
@@ -185,14 +202,16 @@ class WorkerError(RuntimeError):
 class _Proc:
     """One worker process and its reply queue."""
 
-    def __init__(self, arm: Arm, spec_path: str, env: dict, log_path: str):
+    def __init__(self, arm: Arm, spec_path: str, env: dict, log_path: str, cores=None):
         self.arm = arm
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.p = subprocess.Popen([sys.executable, "-m", "fltune.integrations.vllm.e2e_worker",
                                    spec_path], env=env, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                  bufsize=1)
+                                  bufsize=1,
+                                  preexec_fn=(None if not cores else
+                                              lambda: os.sched_setaffinity(0, cores)))
         self.q: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -338,11 +357,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             baseline: str = "vanilla", engine: dict | None = None,
             kernel_profile: bool | None = None, out_dir: str | None = None,
             progress=None, inner: int | None = None, device_type: str | None = None,
-            start_timeout: float = 900.0, call_timeout: float = 600.0) -> E2EResult:
+            start_timeout: float = 900.0, call_timeout: float = 600.0,
+            pin_cores: bool = True) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
-    "done". Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
+    "done". ``pin_cores`` (CUDA): each arm on its own cores (:func:`core_sets`).
+    Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
     names = [a.name for a in arms]
@@ -389,20 +410,27 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],
              total=(warmup + reps) * len(scenarios))
+    # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
+    # 2-core machine cannot be given two each anyway
+    pins = core_sets(len(arms)) if (device_type == "cuda" and pin_cores) else []
     try:
         # ---- start, one after another -----------------------------------------------
-        for arm in arms:
+        for i, arm in enumerate(arms):
             add = dict(extra)
+            cores = pins[i] if pins else None
+            if cores:
+                add.setdefault("OMP_NUM_THREADS", str(len(cores)))
             if arm.env and "FLTUNE_COUNTERS_FILE" not in arm.env:
                 add["FLTUNE_COUNTERS_FILE"] = os.path.join(work, f"counters-{arm.name}.json")
                 add["FLTUNE_COUNTERS_INTERVAL"] = "1"
             env = arm_environ(arm, os.environ, add)
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
-                    "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False}
+                    "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
+                    "cores": sorted(cores) if cores else None}
             arms_info[arm.name] = info
             progress("starting", arm=arm.name)
             t0 = time.monotonic()
-            p = _Proc(arm, spec_path, env, info["log"])
+            p = _Proc(arm, spec_path, env, info["log"], cores)
             try:
                 p.reply(start_timeout)
                 info["info"] = p.call(call_timeout, cmd="info")
