@@ -383,11 +383,42 @@ def test_native_decision_leaves_vllms_class_and_route_decision_replaces_it(decid
         assert type(layers["norm"]).__name__ == "FltuneRMSNorm"
         assert layers["norm"].fltune_routes == {"rms_norm"}
         assert reg["record"]["route_decisions"]["silu_and_mul"] == "native"
+        # something routed: the compile cache is keyed by the dispatch fingerprint
+        assert reg["record"]["additional_config"]["fltune_dispatch_fingerprint"] == plan.fingerprint
         text = plugin.plan_table(plan, compiled=True)
         assert "routing decided by model-step measurement" in text and "native (decided)" in text
         # the same in eager mode: the decision holds whatever the compile mode
         plan_e, layers_e, _ = _apply_and_build(_manifest(db), hf_config=hf, compiled=False)
         assert type(layers_e["act"]) is layers_e["SiluAndMul"]
+    finally:
+        plugin._reset_for_tests()
+
+
+@needs_vllm
+def test_all_native_decisions_leave_the_compile_cache_key_vanillas(cal_db, tmp_path):
+    """A model for which every op is decided native is vanilla vLLM: the load_model hook must
+    not key its compile cache apart (a fresh compile of the same graph can pick different
+    Inductor kernels), and must take off a key `fltune serve` put on the command line."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from fltune.evaluate import model_step
+    from fltune.integrations.vllm import plugin
+
+    db = tmp_path / "native.db"
+    shutil.copy(cal_db, db)
+    model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+                          measure=_fake_measure({"only:rms_norm": (0.99, 1.01),
+                                                 "only:silu_and_mul": (0.97, 0.99)}, []))
+    hf = AutoConfig.from_pretrained(str(FIXTURE))
+    try:
+        plan, layers, reg = _apply_and_build(_manifest(db), hf_config=hf)
+        assert plan.effective_routes(compiled=True) == []
+        extra = reg["record"]["additional_config"]
+        assert "fltune_dispatch_fingerprint" not in extra and "fltune_route" not in extra
+        assert type(layers["act"]) is layers["SiluAndMul"]
+        assert type(layers["norm"]) is layers["RMSNorm"]
     finally:
         plugin._reset_for_tests()
 
