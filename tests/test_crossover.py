@@ -30,6 +30,7 @@ from fltune.tune.workload import derive
 from conftest import REPO
 
 H200_DB = REPO / "db" / "NVIDIA-H200_driver-580.159.04.db"
+H200_REFINED = REPO / "tests" / "fixtures" / "h200-schema2-2026-11-29.db"
 
 
 # ---- the pure core -----------------------------------------------------------------------
@@ -162,25 +163,26 @@ def _as_version_1(src, dst):
         con.close()
 
 
-def test_shipped_db_is_refined_and_freezes_with_its_edges():
-    """The shipped H200 DB carries the crossovers `calibrate/recipes/h200_refine.sh` measured;
+def test_refined_h200_db_freezes_with_its_edges():
+    """The H200 DB as shipped on 2026-11-29 (now a test fixture: the shipped one was
+    recalibrated for issue 11, which made its Qwen3.5 crossovers stale) carries the crossovers `calibrate/recipes/h200_refine.sh` measured;
     freezing applies them (and `--order fl` does not)."""
-    shipped = _digest(H200_DB)
-    db = CalibrationDB(H200_DB, create=False)
+    shipped = _digest(H200_REFINED)
+    db = CalibrationDB(H200_REFINED, create=False)
     try:
         assert db.schema_version() == 2
         rows = db.db.execute("select count(*) from crossovers").fetchone()[0]
     finally:
         db.close()
     assert rows >= 1
-    m, _ = build_manifest(str(H200_DB), device="NVIDIA", check_stack=False)
+    m, _ = build_manifest(str(H200_REFINED), device="NVIDIA", check_stack=False)
     refined = [b for e in m["ops"].values() for t in e["tables"] for b in t["bands"]
                if b.get("refined")]
     assert refined and all(b["hi"] != b["coarse_hi"] for b in refined)
-    fl, _ = build_manifest(str(H200_DB), device="NVIDIA", check_stack=False, order="fl")
+    fl, _ = build_manifest(str(H200_REFINED), device="NVIDIA", check_stack=False, order="fl")
     assert not [b for e in fl["ops"].values() for t in e["tables"] for b in t["bands"]
                 if b.get("refined")]
-    assert _digest(H200_DB) == shipped          # readers never write the shipped file
+    assert _digest(H200_REFINED) == shipped          # readers never write the shipped file
 
 
 def test_version_1_copy_of_the_h200_db_migrates_and_readers_leave_it_untouched(tmp_path):

@@ -685,7 +685,7 @@ def render_route_decisions(rows: list, console=None, title: str = None) -> None:
     t = Table(title=title or "routing decided by model-step measurement (fltune adjudicate)",
               title_justify="left")
     for col in ("model", "op", "decision", "reason", "ratio to vanilla per scenario"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")          # fold, never cut: 80 columns stay whole
     for r in rows:
         ev = r.get("evidence") or {}
         points = r.get("points", ev.get("points"))
