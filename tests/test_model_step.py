@@ -534,3 +534,46 @@ def test_adjudication_end_to_end_on_the_tiny_model(cal_db, tmp_path):
     assert {r["model"] for r in rows} == {doc["model_key"]}
     m, _ = build_manifest(str(db))
     assert {r["op"] for r in m["route_decisions"]} == {"rms_norm", "fused_add_rms_norm"}
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "fltune", *args], capture_output=True,
+                          text=True, timeout=600, cwd=cwd)
+
+
+def test_adjudicate_command_refuses_bad_input_before_any_work(tmp_path):
+    r = _cli("adjudicate", "--db", str(tmp_path / "none.db"), "--model", str(FIXTURE))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "fltune calibrate" in r.stderr
+    assert not (tmp_path / "none.db").exists()               # nothing created
+    db = tmp_path / "x.db"
+    CalibrationDB(db).close()
+    r = _cli("adjudicate", "--db", str(db), "--model", str(FIXTURE), "--scenarios", "bogus")
+    assert r.returncode == 2 and "--scenarios" in r.stderr and "unknown scenario" in r.stderr
+
+
+@needs_vllm
+def test_adjudicate_command_stores_an_all_native_op_without_a_run(cal_db, tmp_path):
+    """The CLI over the library: an op whose picks are all native is decided without
+    starting vLLM, written to the DB, and shown; --json prints the document."""
+    import shutil
+
+    db = tmp_path / "cli.db"
+    shutil.copy(cal_db, db)
+    r = _cli("adjudicate", "--db", str(db), "--model", str(FIXTURE), "--ops",
+             "fused_add_rms_norm", "--json", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [(d["op"], d["decision"]) for d in doc["decisions"]] == [("fused_add_rms_norm",
+                                                                       "native")]
+    assert json.loads((tmp_path / "out" / "adjudication.json").read_text())["decisions"]
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        rows = c.route_decisions(dev["device_key"], dev["driver"])
+    finally:
+        c.close()
+    assert [(x["op"], x["decision"]) for x in rows] == [("fused_add_rms_norm", "native")]
+    r = _cli("report", "--db", str(db))
+    assert r.returncode == 0 and "routing decided by model-step measurement" in r.stdout

@@ -352,11 +352,29 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def _command_line(a) -> str:
+    """The command as the user typed it, for the documents that record their provenance."""
+    argv = getattr(a, "argv", None)
+    return "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
+
+
+def _e2e_scenarios(a, dev: str):
+    """``--scenarios`` parsed for the device, or None for the device's defaults."""
+    from ..evaluate import e2e
+
+    if not a.scenarios:
+        return None
+    try:
+        return e2e.scenarios_by_name([n.strip() for n in a.scenarios.split(",")
+                                      if n.strip()], dev)
+    except ValueError as e:
+        raise UsageError(f"--scenarios: {e}") from None
+
+
 def cmd_bench_e2e(a) -> int:
     """`fltune bench --e2e`: vLLM arms in separate processes, alternated, ratio to vanilla
     with a bootstrap CI per scenario (evaluate/e2e.py)."""
     import os
-    import shlex
 
     from ..evaluate import e2e
     from .render import render_e2e
@@ -379,12 +397,7 @@ def cmd_bench_e2e(a) -> int:
         for k in ("FLTUNE_DB", "FLTUNE_MANIFEST"):
             if k in x.env and not os.path.isfile(x.env[k]):
                 raise UsageError(f"--arm {x.name}: {x.env[k]} does not exist")
-    try:
-        scenarios = (e2e.scenarios_by_name([n.strip() for n in a.scenarios.split(",")
-                                            if n.strip()], dev)
-                     if a.scenarios else e2e.default_scenarios(dev))
-    except ValueError as e:
-        raise UsageError(f"--scenarios: {e}") from None
+    scenarios = _e2e_scenarios(a, dev) or e2e.default_scenarios(dev)
     engine = None
     if a.engine:
         try:
@@ -419,8 +432,7 @@ def cmd_bench_e2e(a) -> int:
     if device is None:
         from ..store import device as devmod
         device = devmod.current(dev).get("name", dev)
-    argv = getattr(a, "argv", None)
-    command = "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = _command_line(a)
     doc = res.to_summary(device=device, model=a.model, vllm=res.vllm_version or "?",
                          command=command)
     if a.out:
@@ -438,9 +450,8 @@ def cmd_adjudicate(a) -> int:
     """`fltune adjudicate`: per op the DB would route for the model, one vLLM arm routing it
     alone against vanilla (evaluate/model_step.py); decisions stored in the DB."""
     import os
-    import shlex
 
-    from ..evaluate import e2e, model_step
+    from ..evaluate import model_step
     from ..integrations.vllm.ops import SEAMED_OPS
     from .render import render_adjudication
 
@@ -448,14 +459,9 @@ def cmd_adjudicate(a) -> int:
     if not os.path.isfile(a.db):
         raise UsageError(f"--db {a.db} does not exist: calibrate first "
                          f"(fltune calibrate --model {a.model} --db {a.db})")
-    try:
-        scenarios = (e2e.scenarios_by_name([n.strip() for n in a.scenarios.split(",")
-                                            if n.strip()], dev) if a.scenarios else None)
-    except ValueError as e:
-        raise UsageError(f"--scenarios: {e}") from None
+    scenarios = _e2e_scenarios(a, dev)
     con = _console(a.quiet or a.json)
-    argv = getattr(a, "argv", None)
-    command = "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = _command_line(a)
 
     def progress(event, **kw):
         if event == "starting":
@@ -472,6 +478,7 @@ def cmd_adjudicate(a) -> int:
 
     doc = _interruptible((run, _measured_only("adjudicate")))
     if a.out:
+        os.makedirs(a.out, exist_ok=True)     # no e2e run (all native) created it
         _write_json(doc, os.path.join(a.out, "adjudication.json"))
     if a.json:
         print(json.dumps(doc, indent=1, default=str))
