@@ -740,8 +740,8 @@ def _add_verify(sub) -> None:
     c.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
     c.add_argument("--out", help="a directory for adjudication.json, the e2e raw data and "
                                  "the worker logs")
-    c.add_argument("--quiet", action="store_true")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_adjudicate)
 
     c = sub.add_parser("verify", help="re-measure the DB's winners now; exit 1 if stale")
