@@ -237,14 +237,15 @@ def _winners(db) -> int:
 def test_ctrl_c_one_line_exit_130_then_resume(tmp_path):
     db = tmp_path / "int.db"
     args = [sys.executable, "-m", "fltune", "calibrate", "--model", "tiny-qwen3", "--db",
-            str(db), "--max-tokens", "64", "--ops", "silu_and_mul,rms_norm", "--budget", "0.05"]
-    # --budget 0.05 (not 0.01): the first band pays the compiled candidates' compiles, the
-    # rest are quick, and at 0.01 s a band the whole run could end before the interrupt
-    # arrived (seen in CI once native.vllm joined the races)
+            str(db), "--max-tokens", "64", "--ops", "silu_and_mul,rms_norm", "--budget", "0.01"]
     # its own process group, as a shell runs a foreground job: Ctrl-C reaches the
     # calibrating process and its supervised worker alike
+    # and SIGINT's default action restored, as a shell does for a foreground job: a suite
+    # started in the background (`.ci/run &` in a script) runs with SIGINT ignored, which
+    # every child inherits, and Python then installs no Ctrl-C handler at all
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(), start_new_session=True)
+                            env=child_env(), start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and _winners(db) < 1:
         time.sleep(0.05)
@@ -253,7 +254,12 @@ def test_ctrl_c_one_line_exit_130_then_resume(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    # Python's multiprocessing resource tracker (a process of its own, in the same group)
+    # may warn about a semaphore the killed worker left; that is Python's line, not fltune's
+    tracker = [i for i, ln in enumerate(err.splitlines()) if "resource_tracker" in ln]
+    raw = err.splitlines()
+    skip = {j for i in tracker for j in (i, i + 1)}
+    lines = [ln for i, ln in enumerate(raw) if ln.strip() and i not in skip]
     intr = [ln for ln in lines if ln.startswith("interrupted")]
     assert len(intr) == 1 and lines[-1] == intr[0], err[-3000:]
     m = re.fullmatch(r"interrupted: (\d+) bands saved; rerun the same command to resume",
