@@ -126,6 +126,32 @@ def test_engine_defaults_and_overrides():
     assert "additional_config" not in eng and not notes
 
 
+def test_step_estimate_drops_hiccups_and_averages_async_alternation():
+    dec = Scenario("d", "decode", 1, 8, 33)
+    # async scheduling: steps alternate short (queue) / long (collect); 3.0 ms per pair
+    run = [0.020, 0.001] + [0.0005, 0.0025] * 16 + [0.0001]
+    base = e2e.step_estimate(dec, {"runs": [run]})
+    assert base == pytest.approx(0.0015)
+    # a host hiccup of 40 ms in one step of one run moves one window, not the estimate
+    hit = list(run)
+    hit[10] += 0.040
+    assert e2e.step_estimate(dec, {"runs": [run, hit, run]}) == pytest.approx(0.0015)
+    # ... while the whole-run mean it replaced would move by 40 %
+    assert sum(hit) / len(hit) > 1.3 * sum(run) / len(run)
+    # a real slowdown of every step is seen in full
+    slow = [x * 1.01 for x in run]
+    assert e2e.step_estimate(dec, {"runs": [slow]}) == pytest.approx(0.0015 * 1.01)
+    # prefill: the run's engine steps summed, median over runs
+    pre = Scenario("p", "prefill", 1, 2048, 1)
+    assert e2e.step_estimate(pre, {"runs": [[0.03, 0.01], [0.05, 0.01], [0.02, 0.01]]}) \
+        == pytest.approx(0.04)
+    # the first version's raw data still reads
+    assert e2e.step_estimate(dec, {"long_s": [0.33, 0.35], "short_s": [0.01, 0.01]}) \
+        == pytest.approx((0.34 - 0.01) / 32)
+    with pytest.raises(ValueError, match="no engine step"):
+        e2e.step_estimate(dec, {"runs": [[]]})
+
+
 def test_points_pair_repetitions():
     sc = [Scenario("d", "decode", 1, 8, 9)]
     samples = [{"scenario": "d", "arm": a, "rep": r, "time_s": t}
@@ -173,7 +199,9 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
     manifest = write(root / "manifest.json", routed_manifest())
     arms = [Arm("vanilla", {}), Arm("aa", {}),
-            Arm("routed", {"FLTUNE_MANIFEST": manifest, "FLTUNE_ROUTE": "all"}),
+            # an engine overlay of its own (the arms of an engine-wide choice differ there)
+            Arm("routed", {"FLTUNE_MANIFEST": manifest, "FLTUNE_ROUTE": "all"},
+                engine={"max_num_seqs": 4}),
             Arm("broken", {"FLTUNE_MANIFEST": str(root / "missing.json"),
                            "FLTUNE_STRICT": "1"})]
     scenarios = [Scenario("decode_b2", "decode", 2, 8, 5),
@@ -222,6 +250,26 @@ def test_aa_tokens_equal_and_fltune_arm_routes(run):
     assert c and c["fingerprint"] == json.loads(Path(run["manifest"]).read_text())["fingerprint"]
     assert c["counters"]["rms_norm"]["vendor.vllm"] > 0
     assert isinstance(routed["tokens_equal_baseline"], bool)
+
+
+@engine_test
+def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(run):
+    res = run["res"]
+    for smp in res.samples:
+        assert len(smp["runs"]) == 1 and len(smp["run_s"]) == 1          # inner=1
+        steps = smp["runs"][0]
+        if smp["scenario"] == "decode_b2":
+            # 5 tokens: a prefill step and 4 decode steps, at least (async scheduling adds)
+            assert len(steps) >= 5
+        # the steps lie inside the generate() call that made them
+        assert 0 < sum(steps) <= smp["run_s"][0]
+        assert smp["time_s"] == e2e.step_estimate(
+            Scenario(smp["scenario"], *( ("decode", 2, 8, 5) if smp["scenario"] == "decode_b2"
+                                         else ("prefill", 1, 32, 1))), smp)
+    info = res.arms_info
+    assert info["routed"]["info"]["max_num_seqs"] == 4
+    assert info["vanilla"]["info"]["max_num_seqs"] == info["aa"]["info"]["max_num_seqs"] == 8
+    assert info["routed"]["engine"] == {"max_num_seqs": 4}
 
 
 @engine_test

@@ -8,9 +8,10 @@ the engine arguments) and stay alive together; then, after ``warmup`` unmeasured
 each repetition and each scenario every arm runs the scenario in turn, one arm busy at a
 time, the arm order rotating between repetitions (AB, BA, ...) so drift lands on all arms.
 
-- decode: per-step time = (generate with ``output_len`` tokens - generate with 1 token) /
-  (output_len - 1), same prompts, median of ``inner`` runs of each within a repetition;
-- prefill: one prompt of ``prompt_len`` tokens, ``max_tokens=1``.
+- decode: ``inner`` runs of ``generate`` with ``output_len`` tokens; the time per decode
+  step is the median over 8-step windows of the runs' engine steps (:func:`step_estimate`);
+- prefill: one prompt of ``prompt_len`` tokens, ``max_tokens=1``; its engine steps' time,
+  median of ``inner`` runs.
 
 Per repetition the paired ratio is baseline_time / arm_time (throughput relative to
 vanilla; the A/A arm is a second vanilla worker); the point's median and 95 % CI come from
@@ -39,9 +40,13 @@ from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_mode
 @dataclass(frozen=True)
 class Arm:
     """One worker process. ``env`` is an overlay on the parent's environment after every
-    ``FLTUNE_*`` variable is removed from it; ``{}`` is vanilla vLLM."""
+    ``FLTUNE_*`` variable is removed from it; ``{}`` is vanilla vLLM. ``engine`` is an
+    overlay on the run's engine arguments for this arm alone (:func:`merge_engine`: a
+    dict value such as ``additional_config`` merges one level, None removes a key): the
+    arms of an engine-wide choice (attention backend, GDN prefill backend) differ there."""
     name: str
     env: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -305,7 +310,8 @@ class E2EResult:
         arms = {}
         for name, a in self.arms_info.items():
             info = a.get("info") or {}
-            arms[name] = {"env": a.get("env"), "started": a.get("started"),
+            arms[name] = {"env": a.get("env"), "engine": a.get("engine"),
+                          "started": a.get("started"),
                           "error": a.get("error"), "tokens_digest": a.get("tokens_digest"),
                           "tokens_equal_baseline": a.get("tokens_equal_baseline"),
                           "routed_calls": _routed_calls(a.get("counters")),
@@ -344,10 +350,42 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def _step_s(scenario: Scenario, r: dict) -> float:
-    if scenario.kind == "decode":
-        return (_median(r["long_s"]) - _median(r["short_s"])) / (scenario.output_len - 1)
-    return _median(r["prefill_s"])
+#: engine steps per window of the decode estimate, and steps skipped at a run's start
+STEP_WINDOW, STEP_SKIP = 8, 2
+
+
+def step_estimate(scenario: Scenario, r: dict) -> float:
+    """One repetition's time for ``scenario``, from the worker's per-step durations
+    (``r["runs"]``: one list of engine-step seconds per inner run).
+
+    - decode: each run's steps after the first ``STEP_SKIP`` (the prompt's prefill, and
+      with async scheduling the step that only queues it) and before the last, cut into
+      consecutive windows of ``STEP_WINDOW`` steps; the time per decode step is the
+      **median over all windows of the runs** of the window's mean step time. A window is
+      several steps so that async scheduling's alternation (one step queues a batch, the
+      next collects it) averages out inside it; the median across windows drops the few
+      that a host hiccup hit (why: :meth:`Worker._time_steps`).
+    - prefill: each run's engine steps summed (the prompt's processing before the first
+      step is left out, as in decode), median over the runs.
+
+    Raw data of the first version (``long_s``/``short_s``, whole generate calls) still
+    reads: (median long - median short) / (output_len - 1)."""
+    if "runs" not in r:     # the first version's raw data
+        if scenario.kind == "decode":
+            return ((_median(r["long_s"]) - _median(r["short_s"]))
+                    / (scenario.output_len - 1))
+        return _median(r["prefill_s"])
+    runs = [list(x) for x in r["runs"] if x]
+    if not runs:
+        raise ValueError(f"scenario {scenario.name}: the worker timed no engine step")
+    if scenario.kind == "prefill":
+        return _median([sum(x) for x in runs])
+    windows = []
+    for steps in runs:
+        body = steps[STEP_SKIP:-1] if len(steps) > STEP_SKIP + 2 else steps[1:] or steps
+        w = STEP_WINDOW if len(body) >= 2 * STEP_WINDOW else max(1, len(body) // 2)
+        windows += [sum(body[i:i + w]) / w for i in range(0, len(body) - w + 1, w)]
+    return _median(windows)
 
 
 #: the greedy-equality check: a fixed prompt set every arm decodes
@@ -396,9 +434,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     elif eng["additional_config"]["gdn_prefill_backend"] != "triton":
         notes = [n for n in notes if n != GDN_NOTE]
     spec_path = os.path.join(work, "worker-spec.json")
+    spec = {"model_dir": mdir, "engine": eng, "device_type": device_type,
+            "vocab_size": cfg.get("vocab_size")}
     with open(spec_path, "w") as f:
-        json.dump({"model_dir": mdir, "engine": eng, "device_type": device_type,
-                   "vocab_size": cfg.get("vocab_size")}, f, indent=1)
+        json.dump(spec, f, indent=1)
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
     if device_type == "cpu":
         extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -432,7 +471,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             arms_info[arm.name] = info
             progress("starting", arm=arm.name)
             t0 = time.monotonic()
-            p = _Proc(arm, spec_path, env, info["log"], cores)
+            arm_spec = spec_path
+            if arm.engine:
+                info["engine"] = dict(arm.engine)
+                arm_spec = os.path.join(work, f"worker-spec-{arm.name}.json")
+                with open(arm_spec, "w") as f:
+                    json.dump({**spec, "engine": merge_engine(eng, arm.engine)}, f, indent=1)
+            p = _Proc(arm, arm_spec, env, info["log"], cores)
             try:
                 p.reply(start_timeout)
                 info["info"] = p.call(call_timeout, cmd="info")
@@ -492,7 +537,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     if measured:
                         res.pop("ok", None)
                         samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
-                                        "position": pos, "time_s": _step_s(sc, res), **res})
+                                        "position": pos, "time_s": step_estimate(sc, res), **res})
                 progress("rep", rep=r, warmup=not measured, scenario=sc.name)
 
         # ---- kernel profile -----------------------------------------------------------

@@ -18,8 +18,9 @@ to the arm's log file. The first reply is ``{"ok": true, "ready": ...}`` once th
 up, or ``{"ok": false, "error": ...}``.
 
 Commands (``cmd``):
-  time     {"scenario": {...}, "inner": k} -> decode: {"long_s": [k], "short_s": [k]}
-           (alternating runs of output_len and 1 tokens); prefill: {"prefill_s": [k]}
+  time     {"scenario": {...}, "inner": k} -> {"runs": [k lists of engine-step seconds],
+           "run_s": [k whole generate() seconds]} (k runs of the scenario, each timed per
+           engine step: see :meth:`Worker.cmd_time`)
   tokens   {"batch", "prompt_len", "output_len"} -> {"tokens": [[...]], "digest"}
   profile  {"scenario": {...}, "top": n} -> kernel time per step (CUDA only)
   info     -> versions, KV cache size, compilation mode, fltune plugin status
@@ -81,6 +82,31 @@ class Worker:
         except Exception:
             self.vocab = int(spec.get("vocab_size") or 256)
         self._prompts: dict = {}
+        self._steps = None
+        self._time_steps()
+
+    def _time_steps(self):
+        """Wrap this engine's ``step`` so every call of it during a timed run leaves its
+        host-side duration in ``self._steps``.
+
+        Why per step: timing whole ``generate`` calls, the first H200 A/A run saw the same
+        arm's 64-step decode take 177-282 ms from one run to the next; a few steps hit by
+        a host hiccup (the scheduler thread preempted, a GC pass, a page fault) carry the
+        whole run. With each step's time, a window of steps hit that way is one outlier
+        among many and a median drops it (:func:`fltune.evaluate.e2e.step_estimate`).
+        vLLM's own ``LLM.generate`` still drives the engine (it calls
+        ``self.llm_engine.step()`` in a loop, in 0.24 and in 0.32); only the clock is ours."""
+        eng = self.llm.llm_engine
+        orig = eng.step
+
+        def step():
+            t0 = time.perf_counter()
+            out = orig()
+            if self._steps is not None:
+                self._steps.append(time.perf_counter() - t0)
+            return out
+
+        eng.step = step
 
     # ---- helpers ----------------------------------------------------------------------
     def prompts(self, batch: int, prompt_len: int) -> list:
@@ -107,14 +133,26 @@ class Worker:
 
     # ---- commands ---------------------------------------------------------------------
     def cmd_time(self, scenario: dict, inner: int = 1) -> dict:
+        """``inner`` runs of the scenario (decode: ``output_len`` tokens; prefill: one
+        token), each with its engine steps' durations. Python's GC is collected before
+        and held off during the runs, in every arm alike: a collection landing in one
+        arm's run is noise, not a property of the arm."""
+        import gc
         prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
-        if scenario["kind"] == "decode":
-            long_s, short_s = [], []
+        n = scenario["output_len"] if scenario["kind"] == "decode" else 1
+        runs, run_s = [], []
+        gc.collect()
+        gc.disable()
+        try:
             for _ in range(max(1, inner)):
-                long_s.append(self.gen(prompts, scenario["output_len"])[0])
-                short_s.append(self.gen(prompts, 1)[0])
-            return {"long_s": long_s, "short_s": short_s}
-        return {"prefill_s": [self.gen(prompts, 1)[0] for _ in range(max(1, inner))]}
+                self._steps = []
+                run_s.append(self.gen(prompts, n)[0])
+                runs.append(self._steps)
+                self._steps = None
+        finally:
+            self._steps = None
+            gc.enable()
+        return {"runs": runs, "run_s": run_s}
 
     def cmd_tokens(self, batch: int, prompt_len: int, output_len: int) -> dict:
         _, out = self.gen(self.prompts(batch, prompt_len), output_len)
@@ -170,6 +208,10 @@ class Worker:
                                    "cudagraph_capture_sizes": getattr(
                                        comp, "cudagraph_capture_sizes", None)}
             info["additional_config"] = vc.additional_config
+            info["max_num_seqs"] = vc.scheduler_config.max_num_seqs
+            info["async_scheduling"] = getattr(vc.scheduler_config, "async_scheduling", None)
+            info["attention_backend"] = str(getattr(getattr(vc, "attention_config", None),
+                                                    "backend", None))
             info["enforce_eager"] = vc.model_config.enforce_eager
         except Exception as e:  # diagnostics only
             info["config_error"] = repr(e)
