@@ -7,7 +7,10 @@
 #            (`fltune calibrate --force`, into a copy: $OUT/h200.db); the model-step
 #            adjudication of the ops that DB would route (`fltune adjudicate`).
 #   PHASE=b: the end-to-end instrument on that DB: vanilla, A/A, calibrated (`--db`, default
-#            route), fixed FL order (every op routed) -> $OUT/e2e-summary.json + raw.
+#            route), fixed FL order (every op routed; NOFL=1 leaves it out)
+#            -> $OUT/e2e-summary.json + raw.
+# Knobs: PROFILE (model), CALOPS (the ops PHASE=a re-races), REPS, WARMUP, SCENARIOS, TIMEOUT,
+# NOADJ / ONLYADJ / NONATIVE / NOCAL (skip parts of PHASE=a), NOFL, EXTRA (more bench flags).
 # Both phases keep their DB under /tmp/i11 (the warm machine keeps /tmp between calls) and
 # copy it to $OUT.
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
@@ -30,7 +33,7 @@ a) {
   [ -n "$NONATIVE" ] || VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 240 python3 benchmarks/native_in_model.py \
       --profile "$P" --out "$OUT" --impls native.vllm,inductor.standalone || echo "native_in_model rc=$?"
   el "recalibrate"
-  [ -n "$NOCAL" ] || timeout 150 python3 -m fltune calibrate --model "$P" --db $DB --force --quiet --json --ops gemma_rms_norm,gemma_fused_add_rms_norm,rms_norm_gated,silu_and_mul,mrope \
+  [ -n "$NOCAL" ] || timeout 150 python3 -m fltune calibrate --model "$P" --db $DB --force --quiet --json --ops ${CALOPS:-gemma_rms_norm,gemma_fused_add_rms_norm,rms_norm_gated,silu_and_mul,mrope} \
       > "$OUT/calibrate.json"; echo "calibrate rc=$?"
   python3 -m fltune report --db $DB > "$OUT/report-after-calibrate.txt"
   el "adjudicate"
@@ -51,7 +54,7 @@ b) {
   timeout ${TIMEOUT:-570} python3 -m fltune bench --e2e --model "$P" --reps $REPS \
     --warmup ${WARMUP:-2} --scenarios "$SC" --out "$OUT" \
     --arm vanilla=vanilla --arm aa=vanilla --arm "calibrated=db:$DB" \
-    --arm "fl=manifest:$OUT/manifest-fl.json:all" $EXTRA
+    $( [ -n "$NOFL" ] || echo --arm "fl=manifest:$OUT/manifest-fl.json:all" ) $EXTRA
   echo "e2e rc=$?"
   cp $DB "$OUT/"
   el done

@@ -539,6 +539,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
                                         "position": pos, "time_s": step_estimate(sc, res), **res})
                 progress("rep", rep=r, warmup=not measured, scenario=sc.name)
+            if out_dir and measured:
+                # a run cut short (a device call's time limit) keeps what it measured
+                with open(os.path.join(work, "e2e-raw.partial.json"), "w") as f:
+                    json.dump({"scenarios": [asdict(x) for x in scenarios],
+                               "baseline": baseline, "samples": samples}, f, default=str)
 
         # ---- kernel profile -----------------------------------------------------------
         kernels: dict = {}
