@@ -6,4 +6,6 @@ from __future__ import annotations
 BUILTIN_BACKENDS = ("fltune.backends.reference", "fltune.backends.torch_fused",
                     "fltune.backends.inductor", "fltune.backends.native_vllm",
                     "fltune.backends.flaggems",
-                    "fltune.backends.vllm_c")
+                    "fltune.backends.vllm_c",
+                    "fltune.backends.gemm",
+                    "fltune.backends.fla_vllm", "fltune.backends.flashinfer")

@@ -1,10 +1,11 @@
 """The ops fltune selects implementations for, each an :class:`OpSpec` (see ``base``)."""
 from __future__ import annotations
 
-from . import activation, norm, rotary
+from . import activation, linear, norm, rotary
 from .base import DTYPE_NAMES, DTYPES, OpSpec, clone_args, dtype_from_name
 
-OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS)}
+OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS,
+                                              *linear.SPECS)}
 
 
 def get_op(name: str) -> OpSpec:

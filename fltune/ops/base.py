@@ -78,6 +78,9 @@ class OpSpec:
     #: views, column slices, padded rows, mixed dtypes. Every candidate's parity is also
     #: checked on each, so a kernel that is right only on packed inputs cannot win.
     layouts: tuple = ()
+    #: (call arguments, dtype) -> (rtol, atol scale) where the dtype's table does not fit
+    #: the op's arithmetic (a K-long reduction: ``ops/linear.py``); None = the table
+    tolerance: Optional[Callable[[list, Any], tuple]] = None
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -58,16 +58,22 @@ class Workload:
     tp: int
     dtype: str
     items: list
+    #: items of ops that are measured only when asked for (``--ops``) on this device:
+    #: ``linear`` on CPU (``OPT_IN``), whose GEMMs at thousands of tokens cost minutes there
+    opt_in: list = field(default_factory=list)
 
     def restrict(self, ops) -> None:
-        """Keep only the items of ``ops`` (calibrate/bench ``--ops``). An op the model does
-        not run is refused before any work, so a typo never yields a silent empty run."""
-        have = sorted({i.op for i in self.items})
+        """Keep only the items of ``ops`` (calibrate/bench ``--ops``), opt-in ops included.
+        An op the model does not run is refused before any work, so a typo never yields a
+        silent empty run."""
+        pool = self.items + self.opt_in
+        have = sorted({i.op for i in pool})
         unknown = sorted(set(ops) - set(have))
         if unknown:
             raise ModelConfigError(f"--ops {','.join(unknown)}: not in {self.model}'s "
                                    f"workload ({', '.join(have)}); nothing was written")
-        self.items = [i for i in self.items if i.op in ops]
+        self.items = [i for i in pool if i.op in ops]
+        self.opt_in = []
 
     def as_dict(self):
         return {"model": self.model, "tp": self.tp, "dtype": self.dtype,
@@ -133,7 +139,23 @@ def _shard(n, tp, what, where):
     return max(1, n // tp)
 
 
-def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
+#: device type -> ops left out of the default workload there (still measured with ``--ops``):
+#: on CPU a cold ``linear`` calibration of Qwen3.5-0.8B costs minutes (README, "linear")
+#: and the gated delta net's bands cost minutes and gigabytes there (a decode batch of 2048
+#: sequences carries 2048 states of 16x128x128; README, "Gated delta net")
+OPT_IN = {"cpu": frozenset({"linear", "gdn_chunk_prefill", "gdn_decode"})}
+
+
+def _default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def derive(model: str, *, tp: int = 1, dtype: str | None = None,
+           device: str | None = None) -> Workload:
+    """The model's workload. ``device`` (default: CUDA if available, else CPU) decides
+    which ops are opt-in (``OPT_IN``): their items go to ``Workload.opt_in``, and
+    ``restrict(ops)`` brings them back when asked for."""
     src, cfg = load_config(model)
     where = src
     if not isinstance(tp, int) or tp < 1 or tp > 1024:
@@ -205,6 +227,33 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
         add("rms_norm_gated", n_lin, "gated delta net output norm", hidden=lin_dim,
             rows_per_token=lin_v, eps=eps, group_size=0, norm_before_gate=True)
         add("silu_and_mul", layers, "mlp act_fn", intermediate=i_tp)
+        # gated delta net core (ops/gdn.py): key and value heads shard over tp, the head
+        # dims do not; one prefill call and one decode call per linear-attention layer
+        gdn = dict(num_k_heads=_shard(_int(text, "linear_num_key_heads", where), tp,
+                                      "linear_num_key_heads", where),
+                   num_v_heads=lin_v, head_k_dim=_int(text, "linear_key_head_dim", where),
+                   head_v_dim=lin_dim)
+        add("gdn_chunk_prefill", n_lin, "gated delta net prefill (chunk_gated_delta_rule)",
+            seqs=1, **gdn)
+        add("gdn_decode", n_lin, "gated delta net decode (packed recurrent step)", **gdn)
+        # linear layers (vLLM qwen3_next.py / qwen3_5.py, layers/mamba/gdn/
+        # qwen_gdn_linear_attn.py): column-parallel layers shard N, row-parallel ones K
+        gate = 2 if text.get("attn_output_gate", True) else 1
+        lin_k = _shard(_int(text, "linear_num_key_heads", where), tp, "linear_num_key_heads", where)
+        lin_kdim = _int(text, "linear_key_head_dim", where)
+        lin_out = lin_v * lin_dim
+        _add_linear(add, [
+            ("qkv_proj (full attention, q with its output gate)", n_full,
+             (h_tp * gate + 2 * kv_tp) * head_dim, hidden, bool(text.get("qkv_bias", False))),
+            ("o_proj (full attention)", n_full, hidden, h_tp * head_dim, False),
+            ("in_proj_qkvz (gated delta net)", n_lin, 2 * lin_k * lin_kdim + 2 * lin_out,
+             hidden, False),
+            ("in_proj_ba (gated delta net)", n_lin, 2 * lin_v, hidden, False),
+            ("out_proj (gated delta net)", n_lin, hidden, lin_out, False),
+            ("gate_up_proj (mlp)", layers, 2 * i_tp, hidden, False),
+            ("down_proj (mlp)", layers, hidden, i_tp, False),
+            ("lm_head (M = sampled tokens)", 1, _vocab_shard(text, cfg, tp, where), hidden, False),
+        ])
     elif mtype in ("qwen3", "qwen2", "llama", "mistral"):
         add("rms_norm", 1, "layer 0 input_layernorm", hidden=hidden, eps=eps)
         add("fused_add_rms_norm", 2 * layers, "input/post_attention layernorm, final norm",
@@ -222,7 +271,47 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None) -> Workload:
             raise ModelConfigError(f"{where}: hidden_act {act!r} is not supported (silu, gelu, "
                                    f"gelu_pytorch_tanh)")
         add(op, layers, "mlp act_fn", intermediate=i_tp)
+        # linear layers (vLLM qwen3.py / qwen2.py / llama.py): qkv bias on Qwen2 always,
+        # else attention_bias (Llama's o_proj too); Llama's MLP bias is mlp_bias
+        qkv_bias = mtype == "qwen2" or bool(text.get("attention_bias", False))
+        o_bias = mtype in ("llama", "mistral") and bool(text.get("attention_bias", False))
+        mlp_bias = bool(text.get("mlp_bias", False))
+        _add_linear(add, [
+            ("qkv_proj", layers, (h_tp + 2 * kv_tp) * head_dim, hidden, qkv_bias),
+            ("o_proj", layers, hidden, h_tp * head_dim, o_bias),
+            ("gate_up_proj (mlp)", layers, 2 * i_tp, hidden, mlp_bias),
+            ("down_proj (mlp)", layers, hidden, i_tp, mlp_bias),
+            ("lm_head (M = sampled tokens)", 1, _vocab_shard(text, cfg, tp, where), hidden, False),
+        ])
     else:
         raise ModelConfigError(f"{where}: model_type {mtype!r} is not supported yet; supported: "
                                f"qwen3_5, qwen3_next, qwen3, qwen2, llama, mistral")
-    return Workload(model=src, tp=tp, dtype=dt, items=items)
+    later = OPT_IN.get(device or _default_device(), frozenset())
+    return Workload(model=src, tp=tp, dtype=dt, items=[i for i in items if i.op not in later],
+                    opt_in=[i for i in items if i.op in later])
+
+
+#: vLLM pads the vocabulary to a multiple of this before sharding it (ParallelLMHead)
+VOCAB_PADDING = 64
+
+
+def _vocab_shard(text, cfg, tp, where) -> int:
+    """The LM head's N per rank: the padded vocabulary over ``tp`` (VocabParallelEmbedding)."""
+    vocab = _int(text, "vocab_size", where, default=cfg.get("vocab_size"), maximum=1 << 24)
+    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+    return -(-padded // tp)
+
+
+def _add_linear(add, layers_) -> None:
+    """One ``linear`` item per distinct (N, K, bias), calls summed over the layers that
+    share it (o_proj and the GDN out_proj of Qwen3.5 are both 1024x2048), their names
+    joined: the calibration measures a shape once, weighted by every call of it."""
+    merged: dict = {}
+    for where_, calls, n, k, bias in layers_:
+        if calls <= 0:
+            continue
+        key = (n, k, bias)
+        w0, c0 = merged.get(key, ("", 0))
+        merged[key] = (f"{w0}, {where_}" if w0 else where_, c0 + calls)
+    for (n, k, bias), (where_, calls) in merged.items():
+        add("linear", calls, where_, n=n, k=k, bias=bias)
