@@ -23,7 +23,7 @@ import threading
 import torch
 
 from ..dispatch.types import BackendImplKind, OpImpl
-from ..ops import OPS
+from ..ops import NOT_COMPILED, OPS
 from ._util import dtype_reason, import_reason
 
 PRIORITY = 40
@@ -83,4 +83,4 @@ def implementations():
     return [OpImpl(op_name=name, impl_id=IMPL_ID, kind=BackendImplKind.REFERENCE,
                    fn=_make_fn(name), priority=PRIORITY, backend="inductor",
                    qualify=_qualify, precision_rank=1)
-            for name in OPS]
+            for name in OPS if name not in NOT_COMPILED]

@@ -1,11 +1,15 @@
 """The ops fltune selects implementations for, each an :class:`OpSpec` (see ``base``)."""
 from __future__ import annotations
 
-from . import activation, linear, norm, rotary
+from . import activation, gdn, linear, norm, rotary
 from .base import DTYPE_NAMES, DTYPES, OpSpec, clone_args, dtype_from_name
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS,
-                                              *linear.SPECS)}
+                                              *linear.SPECS, *gdn.SPECS)}
+
+#: ops whose reference loops over data (GDN: sequences from ``cu_seqlens``, tokens one by
+#: one): Dynamo cannot trace them whole, so the compiled-alone candidate skips them
+NOT_COMPILED = frozenset(s.name for s in gdn.SPECS)
 
 
 def get_op(name: str) -> OpSpec:
