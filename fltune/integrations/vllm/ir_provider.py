@@ -170,7 +170,10 @@ def _table_takes(op: str, args2d) -> bool:
     if st is None:
         return False
     x = args2d[0]
-    impls = st.tables.get(op, {}).get((x.dtype, tuple(x.shape[1:])))
+    width = x.shape[-1]
+    if not isinstance(width, int):     # a symbolic width: no table is keyed by it
+        return False
+    impls = st.tables.get(op, {}).get((x.dtype, (width,)))
     if not impls:
         return False
     return all(impl.unsupported(args2d) is None for impl in impls)
