@@ -25,6 +25,14 @@ Tables
                 (``evaluate/model_step.py``), with the reason, the evidence (the e2e points of
                 the arm that routes this op alone, the scenarios, reps and the command, as
                 JSON) and the version of the rule that decided
+  engine_picks  (v5) unique per (device, driver, model, choice): the measured pick of an
+                engine-wide vLLM setting (``attention_backend``, ``gdn_prefill_backend``,
+                ...) for that model, decided from end-to-end model-step measurements of
+                every value against vLLM's own default (``evaluate/engine_pick.py``):
+                ``decision`` 'pick' (serve with ``value``) or 'default' (leave vLLM's rule),
+                the reason, the evidence (per value: its overlay, e2e points and verdict;
+                the scenarios, reps, command, as JSON), the rule, the vLLM version and the
+                stack it was measured with
 
 Version 4 also renames the candidate ``reference.inductor`` to ``inductor.standalone`` in every
 column that holds an impl id (measurements, winners incl. the runner-up, crossovers): the
@@ -34,7 +42,7 @@ too (the rows are renamed as they are read, :data:`RENAMED_IMPLS`), so the DB's 
 as they are.
 
 Views (v3), for people: ``winners_readable``, ``measurements_readable`` and
-``noise_readable`` (v4: ``route_decisions_readable``) hold the same rows with the model, the device's name, times in µs
+``noise_readable`` (v4: ``route_decisions_readable``; v5: ``engine_picks_readable``) hold the same rows with the model, the device's name, times in µs
 rounded and gaps and noise in percent, so ``sqlite3 X.db 'select * from winners_readable'``
 needs no join. They are derived: nothing reads them back.
 
@@ -63,7 +71,7 @@ import sqlite_utils
 
 from ..util import has_sqlite_header
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
 BUSY_TIMEOUT_MS = 60_000
@@ -78,6 +86,7 @@ MEASUREMENT_KEY = ["device_key", "driver", "stack_key", "op", "signature", "dtyp
 WINNER_KEY = ["device_key", "driver", "op", "signature", "dtype", "band_hi"]
 CROSSOVER_KEY = ["device_key", "driver", "op", "signature", "dtype", "lower_hi"]
 ROUTE_DECISION_KEY = ["device_key", "driver", "stack_key", "model", "op"]
+ENGINE_PICK_KEY = ["device_key", "driver", "model", "choice"]
 #: impl ids renamed by a migration: old -> new (v4: the standalone Inductor candidate)
 RENAMED_IMPLS = {"reference.inductor": "inductor.standalone"}
 #: (table, columns holding an impl id, text columns that may name one)
@@ -219,8 +228,31 @@ def _migrate_3_to_4(db: sqlite_utils.Database):
         db.create_view(name, sql.strip(), replace=True)
 
 
+VIEWS_V5 = {
+    "engine_picks_readable": """
+select d.name as device, e.driver as driver, e.model_name as model, e.model as model_key,
+       e.choice as choice, e.decision as decision, e.value as value, e.reason as reason,
+       e.rule as rule, e.vllm as vllm, e.stack_key as stack_key, e.device_key as device_key,
+       datetime(e.created_at, 'unixepoch') as decided_utc
+from engine_picks e
+left join devices d on d.device_key = e.device_key and d.driver = e.driver""",
+}
+
+
+def _migrate_4_to_5(db: sqlite_utils.Database):
+    """Engine-wide picks measured by model step: the ``engine_picks`` table and its view;
+    nothing else changes (every older row stays as it is)."""
+    db["engine_picks"].create({
+        "device_key": str, "driver": str, "model": str, "choice": str, "model_name": str,
+        "decision": str, "value": str, "reason": str, "evidence": str, "rule": str,
+        "vllm": str, "stack_key": str, "created_at": float},
+        pk=ENGINE_PICK_KEY, if_not_exists=True)
+    for name, sql in VIEWS_V5.items():
+        db.create_view(name, sql.strip(), replace=True)
+
+
 MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2, 2: _migrate_2_to_3,
-              3: _migrate_3_to_4}
+              3: _migrate_3_to_4, 4: _migrate_4_to_5}
 
 
 def renamed_impl(impl_id):
@@ -537,6 +569,37 @@ class CalibrationDB:
             q += " and model=?"
             args.append(model)
         out = list(self.db.query(q + " order by model, op, created_at", args))
+        for r in out:
+            r["evidence"] = json.loads(r["evidence"]) if r["evidence"] else None
+        return out
+
+    # ---- engine-wide picks (schema 5) --------------------------------------------------
+    def record_engine_picks(self, rows: list[dict]) -> None:
+        """The picks of one adjudication (``evidence`` as a dict, stored as JSON) in one
+        transaction; a pick for the same (device, driver, model, choice) replaces the
+        older one. A reader-opened DB (``write=False``) refuses rather than losing them."""
+        if not self.write:
+            raise DBError(f"{self.path} was opened for reading; open it with write=True to "
+                          f"record engine picks")
+        now = time.time()
+        with self.transaction():
+            for row in rows:
+                self.db["engine_picks"].upsert(
+                    {**row, "evidence": json.dumps(row.get("evidence"), sort_keys=True),
+                     "created_at": row.get("created_at") or now}, pk=ENGINE_PICK_KEY)
+
+    def engine_picks(self, device_key: str, driver: str,
+                     model: Optional[str] = None) -> list[dict]:
+        """The engine-wide picks of a device (``evidence`` decoded), by model and choice;
+        none in a DB before v5."""
+        if "engine_picks" not in self.db.table_names():
+            return []
+        q = "select * from engine_picks where device_key=? and driver=?"
+        args = [device_key, driver]
+        if model:
+            q += " and model=?"
+            args.append(model)
+        out = list(self.db.query(q + " order by model, choice", args))
         for r in out:
             r["evidence"] = json.loads(r["evidence"]) if r["evidence"] else None
         return out
