@@ -50,12 +50,17 @@ b) {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
   python3 -m fltune freeze --db $DB --out "$OUT/manifest-fl.json" --order fl || exit 1
+  lscpu > "$OUT/lscpu.txt" 2>&1; cat /sys/devices/system/cpu/cpu0/cpufreq/scaling_governor 2>&1 | head -1
+  # GPU clocks and power beside the run: is a slow repetition the GPU's or the host's?
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,pstate,utilization.gpu \
+    --format=csv -lms 500 > "$OUT/smi.csv" 2>&1 & SMI=$!
   el "e2e"
   timeout ${TIMEOUT:-570} python3 -m fltune bench --e2e --model "$P" --reps $REPS \
     --warmup ${WARMUP:-2} --scenarios "$SC" --out "$OUT" \
     --arm vanilla=vanilla --arm aa=vanilla --arm "calibrated=db:$DB" \
     $( [ -n "$NOFL" ] || echo --arm "fl=manifest:$OUT/manifest-fl.json:all" ) $EXTRA
   echo "e2e rc=$?"
+  kill $SMI 2>/dev/null
   cp $DB "$OUT/"
   el done
 } 2>&1 | tee "$OUT/log" ;;

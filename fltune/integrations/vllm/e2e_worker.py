@@ -140,19 +140,21 @@ class Worker:
         import gc
         prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
         n = scenario["output_len"] if scenario["kind"] == "decode" else 1
-        runs, run_s = [], []
+        runs, run_s, host = [], [], []
         gc.collect()
         gc.disable()
         try:
             for _ in range(max(1, inner)):
                 self._steps = []
+                h0 = host_state()
                 run_s.append(self.gen(prompts, n)[0])
+                host.append(host_delta(h0, host_state()))
                 runs.append(self._steps)
                 self._steps = None
         finally:
             self._steps = None
             gc.enable()
-        return {"runs": runs, "run_s": run_s}
+        return {"runs": runs, "run_s": run_s, "host": host}
 
     def cmd_tokens(self, batch: int, prompt_len: int, output_len: int) -> dict:
         _, out = self.gen(self.prompts(batch, prompt_len), output_len)
@@ -226,6 +228,60 @@ class Worker:
             info["device_name"] = torch.cuda.get_device_name(0)
             info["memory_allocated"] = torch.cuda.memory_allocated()
         return info
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def host_state() -> dict:
+    """What the host did around a timed run (Linux; empty elsewhere): the machine's CPU
+    ticks (steal: time the hypervisor gave this VM's CPUs to someone else), this process's
+    CPU time, the CPU it last ran on and that CPU's clock. Why: on the H200 machine the
+    wall time per step of one arm switched between two levels (up to 1.8x apart) from one
+    repetition to the next while its GPU kernel time stayed within 0.3 %; these say which
+    host cause goes with the slow level."""
+    st = {}
+    cpu = _read("/proc/stat").split("\n", 1)[0].split()
+    if cpu and cpu[0] == "cpu":
+        ticks = [int(x) for x in cpu[1:]]
+        st["ticks"] = sum(ticks)
+        st["steal"] = ticks[7] if len(ticks) > 7 else 0
+        st["idle"] = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    me = _read("/proc/self/stat").rpartition(")")[2].split()
+    if len(me) > 37:
+        st["proc_ticks"] = int(me[11]) + int(me[12])       # utime + stime
+        st["cpu"] = int(me[36])                             # processor last run on
+        st["ctx_invol"] = None
+    for line in _read("/proc/self/status").splitlines():
+        if line.startswith("nonvoluntary_ctxt_switches"):
+            st["ctx_invol"] = int(line.split()[1])
+    if "cpu" in st:
+        khz = _read(f"/sys/devices/system/cpu/cpu{st['cpu']}/cpufreq/scaling_cur_freq").strip()
+        st["mhz"] = int(khz) / 1000 if khz.isdigit() else None
+    st["t"] = time.monotonic()
+    return st
+
+
+def host_delta(a: dict, b: dict) -> dict:
+    """The run's share of :func:`host_state`: tick deltas as fractions of the machine's,
+    the process's CPU seconds, its CPU and clock at the end."""
+    out = {"cpu": b.get("cpu"), "mhz": b.get("mhz")}
+    dt = b.get("ticks", 0) - a.get("ticks", 0)
+    if dt > 0:
+        out["steal_frac"] = round((b["steal"] - a["steal"]) / dt, 4)
+        out["idle_frac"] = round((b["idle"] - a["idle"]) / dt, 4)
+    if "proc_ticks" in a and "proc_ticks" in b:
+        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        out["proc_cpu_s"] = round((b["proc_ticks"] - a["proc_ticks"]) / hz, 4)
+    if a.get("ctx_invol") is not None and b.get("ctx_invol") is not None:
+        out["ctx_invol"] = b["ctx_invol"] - a["ctx_invol"]
+    out["wall_s"] = round(b["t"] - a["t"], 6)
+    return out
 
 
 def kernels_of(prof) -> dict:
