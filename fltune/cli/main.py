@@ -449,6 +449,10 @@ def cmd_bench_e2e(a) -> int:
 def cmd_adjudicate(a) -> int:
     """`fltune adjudicate`: per op the DB would route for the model, one vLLM arm routing it
     alone against vanilla (evaluate/model_step.py); decisions stored in the DB."""
+    if a.engine_choice or a.list_values:
+        return cmd_adjudicate_engine(a)
+    if a.engine is not None:
+        raise UsageError("--engine belongs to --engine-choice")
     import os
 
     from ..evaluate import model_step
@@ -484,6 +488,78 @@ def cmd_adjudicate(a) -> int:
         print(json.dumps(doc, indent=1, default=str))
     else:
         render_adjudication(doc)
+    return 0
+
+
+def cmd_adjudicate_engine(a) -> int:
+    """`fltune adjudicate --engine-choice NAME[=V1,V2]`: one vLLM arm per value of an
+    engine-wide setting against vLLM's own default (evaluate/engine_pick.py); the pick is
+    stored in the DB. With --list-values: what this vLLM offers here, nothing measured."""
+    import os
+
+    from ..evaluate import engine_pick
+    from .render import render_engine_adjudication, render_engine_listing
+
+    dev = _device(a)
+    for flag_, v in (("--ops", a.ops), ("--db-device", a.db_device)):
+        if v is not None:
+            raise UsageError(f"{flag_} belongs to the per-op adjudication, not --engine-choice "
+                             f"(engine picks are measured on this machine)")
+    try:
+        specs = [engine_pick.parse_choice_spec(x) for x in (a.engine_choice or [])]
+    except ValueError as e:
+        raise UsageError(f"--engine-choice: {e}") from None
+    if a.list_values:
+        names = [n for n, _ in specs] or list(engine_pick.CHOICES)
+        docs = [engine_pick.available(n, a.model, dev).to_json() for n in names]
+        if a.json:
+            print(json.dumps({"listings": docs}, indent=1, default=str))
+        else:
+            render_engine_listing(docs)
+        return 0
+    if not os.path.isfile(a.db):
+        raise UsageError(f"--db {a.db} does not exist: calibrate first "
+                         f"(fltune calibrate --model {a.model} --db {a.db})")
+    engine = None
+    if a.engine:
+        try:
+            engine = json.loads(a.engine)
+            assert isinstance(engine, dict)
+        except (ValueError, AssertionError):
+            raise UsageError(f"--engine: expected a JSON object, got {a.engine!r}") from None
+    scenarios = _e2e_scenarios(a, dev)
+    con = _console(a.quiet or a.json)
+    command = _command_line(a)
+
+    def progress(event, **kw):
+        if event == "starting":
+            con.print(f"starting arm {kw['arm']} ...")
+        elif event == "started" and not kw.get("ok", True):
+            con.print(f"[yellow]arm {kw['arm']} did not start:[/] {kw.get('error')}")
+        elif event == "rep":
+            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {kw['rep'] + 1} {kw['scenario']}")
+
+    docs = []
+    for name, values in specs:
+        out = os.path.join(a.out, name) if a.out else None
+
+        def run():
+            return engine_pick.adjudicate_engine(
+                a.db, a.model, name, values, device_type=dev, scenarios=scenarios,
+                reps=a.reps, warmup=a.warmup, engine=engine, out_dir=out, progress=progress,
+                command=command)
+        try:
+            doc = _interruptible((run, _measured_only("adjudicate --engine-choice")))
+        except ValueError as e:
+            raise UsageError(f"--engine-choice {name}: {e}") from None
+        if out:
+            os.makedirs(out, exist_ok=True)
+            _write_json(doc, os.path.join(out, "engine-pick.json"))
+        docs.append(doc)
+        if not a.json:
+            render_engine_adjudication(doc)
+    if a.json:
+        print(json.dumps({"engine_picks": docs}, indent=1, default=str))
     return 0
 
 
@@ -740,6 +816,18 @@ def _add_verify(sub) -> None:
     c.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
     c.add_argument("--out", help="a directory for adjudication.json, the e2e raw data and "
                                  "the worker logs")
+    g = c.add_argument_group("engine-wide choices (instead of the per-op routing)")
+    g.add_argument("--engine-choice", action="append", metavar="NAME[=V1,V2]",
+                   help="measure an engine-wide vLLM setting instead: one arm per value "
+                        "against vLLM's own default, the pick stored in the DB (repeat for "
+                        "several). NAME: attention_backend, gdn_prefill_backend, "
+                        "moe_backend, linear_backend; values default to those this vLLM "
+                        "offers on this device for the model")
+    g.add_argument("--list-values", action="store_true",
+                   help="print the values each --engine-choice (default: every choice) "
+                        "offers on this vLLM and device for the model; measure nothing")
+    g.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets, "
+                                    "over the instrument's defaults")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_adjudicate)

@@ -324,6 +324,7 @@ def render_report(rep: dict, console=None, wide: bool = False) -> None:
                   f"; undecided (noise above the win margin): {s.get('bands_undecided', 0)}")
     _noise_warning(console, rep)
     render_route_decisions(rep.get("route_decisions") or [], console)
+    render_engine_picks(rep.get("engine_picks") or [], console)
 
 
 def _noise_warning(console, rep: dict) -> None:
@@ -711,3 +712,55 @@ def render_adjudication(doc: dict, console=None) -> None:
     rows = [{**d, "model": doc.get("model")} for d in doc.get("decisions") or []]
     render_route_decisions(rows, console, title="decisions (stored in the DB; freeze and "
                                                 "`fltune serve --db` follow them)")
+def render_engine_picks(rows: list, console=None, title: str = None) -> None:
+    """Per model and engine-wide choice: the value picked or vLLM's default kept, why, and
+    per value measured its verdict and ratio to vanilla per scenario."""
+    if not rows:
+        return
+    if console is None:
+        console = wide_console(170)
+    t = Table(title=title or "engine-wide picks measured by model step (fltune adjudicate "
+                             "--engine-choice)", title_justify="left")
+    for col in ("model", "choice", "pick", "reason", "value: ratio to vanilla per scenario"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        pick = (f"[bold green]{escape(str(r['value']))}[/]" if r["decision"] == "pick"
+                else "vLLM's default")
+        cells = [f"{escape(str(v))} ({e.get('verdict')}):\n{_points_cell(e.get('points'))}"
+                 for v, e in (r.get("values") or {}).items()]
+        t.add_row(escape(str(r.get("model") or "")), r["choice"], pick,
+                  escape(str(r.get("reason") or "")), "\n".join(cells) or "—")
+    console.print(t)
+
+
+def render_engine_adjudication(doc: dict, console=None) -> None:
+    """`fltune adjudicate --engine-choice`: the values offered, measured and the pick."""
+    if console is None:
+        console = wide_console(170)
+    dev = doc.get("device") or {}
+    console.print(f"[bold]fltune adjudicate --engine-choice {doc.get('choice')}[/] — "
+                  f"{escape(str(doc.get('model')))} on {escape(str(dev.get('name')))}; rule "
+                  f"{doc.get('rule')}; {doc.get('reps')} reps after {doc.get('warmup')} "
+                  f"warm-up; values {', '.join(doc.get('values') or [])} against vLLM's default")
+    ev = doc.get("evidence") or {}
+    row = {"model": doc.get("model"), "choice": doc.get("choice"),
+           "decision": doc.get("decision"), "value": doc.get("value"),
+           "reason": doc.get("reason"), "values": ev.get("values") or {}}
+    render_engine_picks([row], console, title="pick (stored in the DB; freeze and `fltune "
+                                              "serve --db` apply it)")
+
+
+def render_engine_listing(listings: list, console=None) -> None:
+    """`fltune adjudicate --engine-choice NAME --list`: what this vLLM offers here."""
+    if console is None:
+        console = wide_console(170)
+    t = Table(title="engine-wide choices on this vLLM and device", title_justify="left")
+    for col in ("choice", "values", "vLLM's default", "excluded", "notes"):
+        t.add_column(col, overflow="fold")
+    for d in listings:
+        t.add_row(d["choice"], ", ".join(d["values"]) or "—", str(d.get("default") or "—"),
+                  "\n".join(f"{k}: {escape(str(v))}" for k, v in d["excluded"].items()) or "—",
+                  escape("; ".join(d.get("notes") or [])) or "—")
+    console.print(t)
+
+

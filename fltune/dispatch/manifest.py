@@ -21,6 +21,14 @@ written only when the device has decisions, so an older manifest keeps its bytes
 is there it is in the fingerprint like everything else (a new decision is a new choice,
 and so a new compile-cache key).
 
+Engine-wide picks (``engine_picks``, :class:`EnginePick`): per model and engine-wide vLLM
+setting (``attention_backend``, ``gdn_prefill_backend``, ...), the value measured fastest
+against vLLM's own default ('pick') or vLLM's default kept ('default'), from
+``evaluate/engine_pick.py``. Like route decisions, the key is written only when the device
+has picks (older manifests keep their bytes and fingerprints; a reader of an older manifest
+sees none) and is in the fingerprint when present. ``fltune serve`` applies a model's picks
+as engine arguments.
+
 The fingerprint is sha256 over the canonical JSON of everything but the fingerprint: it is
 the value vLLM's compile-cache key receives, so a different choice never reuses a graph.
 
@@ -244,6 +252,37 @@ class RouteDecision:
 
 
 @dataclass
+class EnginePick:
+    """The measured value of the engine-wide setting ``choice`` when serving ``model`` (a
+    :func:`model_key`): ``decision`` 'pick' (serve with ``value``) or 'default' (vLLM's own
+    rule, ``value`` 'auto'), the reason, the rule's version, the vLLM version it was
+    measured with, and a short summary of the evidence (per value: verdict and, per
+    scenario, ratio median and CI)."""
+    model: str
+    choice: str
+    decision: str
+    value: str
+    reason: str = ""
+    rule: str = ""
+    model_name: Optional[str] = None
+    vllm: Optional[str] = None
+    evidence: dict = field(default_factory=dict)
+
+    @property
+    def picks(self) -> bool:
+        return self.decision == "pick"
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("model", "choice", "decision", "value",
+                                              "reason", "rule", "model_name", "vllm",
+                                              "evidence")}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "EnginePick":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
 class Manifest:
     device: dict
     driver: Optional[str]
@@ -258,6 +297,8 @@ class Manifest:
     launch_floor_us: Optional[float] = None
     #: model-step routing decisions of this device (written only when there are some)
     route_decisions: list = field(default_factory=list)
+    #: engine-wide picks of this device (written only when there are some)
+    engine_picks: list = field(default_factory=list)
     format: str = MANIFEST_FORMAT
     fingerprint: Optional[str] = None
 
@@ -270,6 +311,8 @@ class Manifest:
         d["ops"] = {op: e.to_json() for op, e in self.ops.items()}
         if self.route_decisions:
             d["route_decisions"] = [r.to_json() for r in self.route_decisions]
+        if self.engine_picks:
+            d["engine_picks"] = [p.to_json() for p in self.engine_picks]
         d["fingerprint"] = fingerprint_of(d)
         return d
 
@@ -280,6 +323,7 @@ class Manifest:
         try:
             ops = {op: OpEntry.from_json(e) for op, e in d["ops"].items()}
             decisions = [RouteDecision.from_json(r) for r in d.get("route_decisions") or []]
+            engine_picks = [EnginePick.from_json(p) for p in d.get("engine_picks") or []]
         except (KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"{source}: malformed manifest ({type(e).__name__}: {e}); "
                                 f"re-create it with {refreeze_command(d, source)}") from None
@@ -290,12 +334,17 @@ class Manifest:
                    band_rule=d.get("band_rule"), source_db=d.get("source_db", {}),
                    overrides=d.get("overrides", []),
                    launch_floor_us=d.get("launch_floor_us"), route_decisions=decisions,
+                   engine_picks=engine_picks,
                    format=d.get("format", MANIFEST_FORMAT), fingerprint=d.get("fingerprint"))
 
     def decisions_for(self, model: Optional[str]) -> dict:
         """op -> :class:`RouteDecision` for the model key ``model`` (empty when the device
         has no decision for it: that model's routing is unmeasured)."""
         return {r.op: r for r in self.route_decisions if model is not None and r.model == model}
+
+    def engine_picks_for(self, model: Optional[str]) -> list:
+        """The :class:`EnginePick` rows for the model key ``model`` (empty when none)."""
+        return [p for p in self.engine_picks if model is not None and p.model == model]
 
     def decided_models(self) -> dict:
         """model key -> its display name, for the models that have decisions."""

@@ -18,6 +18,10 @@ Routing decided by model-step measurement (schema 4, ``evaluate/model_step.py``)
 document's ``route_decisions`` lists, per model and op, whether the plugin routes it or
 leaves vLLM's path, the reason and rule, and the evidence summary (per scenario: the ratio
 of throughputs to vanilla vLLM, median and 95 % CI, and the kernel times per step).
+
+Engine-wide picks (schema 5, ``evaluate/engine_pick.py``): ``engine_picks`` lists, per model
+and engine-wide vLLM setting, the value picked (or vLLM's default kept), the reason, and
+per value measured its verdict and points.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
         probes = db.noise_probes(dev["device_key"], dev["driver"],
                                  runs[-1]["id"] if runs else None)
         decisions = route_decisions_doc(db.route_decisions(dev["device_key"], dev["driver"]))
+        engine_picks = engine_picks_doc(db.engine_picks(dev["device_key"], dev["driver"]))
     finally:
         db.close()
     margins = {r["id"]: json.loads(r["settings"] or "{}").get("margin", WIN_MARGIN)
@@ -103,6 +108,7 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
                           for r in undecided],
             "noise_probes": probes,
             "route_decisions": [d for d in decisions if op is None or d["op"] == op],
+            "engine_picks": engine_picks,
             "way_out": noise_way_out(db_path, last) if undecided else None,
             "summary": {"bands": len(rows),
                         "bands_where_measured_differs_from_fl": sum(
@@ -134,6 +140,27 @@ def route_decisions_doc(rows: list) -> list:
                                for p in ev.get("points") or []]})
     return out
 
+
+
+def engine_picks_doc(rows: list) -> list:
+    """DB rows (``CalibrationDB.engine_picks``) as the report's entries: per model and
+    choice, the decision and value, the reason, the rule and vLLM version, and per value
+    measured its verdict and points (ratio median and CI per scenario)."""
+    out = []
+    for r in rows:
+        ev = r.get("evidence") or {}
+        out.append({"model": r.get("model_name") or r["model"], "model_key": r["model"],
+                    "choice": r["choice"], "decision": r["decision"], "value": r["value"],
+                    "reason": r["reason"], "rule": r["rule"], "vllm": r.get("vllm"),
+                    "decided_at": r.get("created_at"), "reps": ev.get("reps"),
+                    "command": ev.get("command"),
+                    "values": {v: {"verdict": e.get("verdict"),
+                                   "points": [{k: p.get(k) for k in (
+                                       "scenario", "n", "ratio_median", "ci_low", "ci_high",
+                                       "kernel_us_arm", "kernel_us_vanilla")}
+                                       for p in e.get("points") or []]}
+                               for v, e in (ev.get("values") or {}).items()}})
+    return out
 
 
 def noise_way_out(db_path: str, run: dict) -> str:

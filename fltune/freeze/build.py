@@ -28,8 +28,9 @@ from typing import Optional
 
 import torch
 
-from ..dispatch.manifest import (Band, Manifest, OpEntry, Point, RouteDecision,  # noqa: F401
-                                 Table, device_mismatch, is_native, write_manifest)
+from ..dispatch.manifest import (Band, EnginePick, Manifest, OpEntry, Point,  # noqa: F401
+                                 RouteDecision, Table, device_mismatch, is_native,
+                                 write_manifest)
 from ..dispatch.policy import SelectionPolicy, fl_pick
 from ..ops import get_op
 from ..store import CalibrationDB, DBError, band_key
@@ -133,6 +134,9 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
             # fixed FL order's arm routes what vllm-plugin-FL would, undecided
             route_decisions=(_route_decisions(db, dev, entries, warnings)
                              if order == "measured" else []),
+            # engine-wide picks (evaluate/engine_pick.py): likewise the measured choice's;
+            # the fixed-order baseline runs vLLM's own engine settings
+            engine_picks=(_engine_picks(db, dev, warnings) if order == "measured" else []),
             launch_floor_us=min((m["median_us"] for m in timed if m["median_us"]),
                                 default=None))
         return manifest.to_json(), warnings
@@ -277,6 +281,32 @@ def _route_decisions(db, dev: dict, entries: dict, warnings: list) -> list[Route
             rule=r["rule"] or "", model_name=r.get("model_name"), routed_impls=routed,
             evidence=[{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low", "ci_high")}
                       for p in ev.get("points") or []]))
+    return out
+
+
+def _engine_picks(db, dev: dict, warnings: list) -> list[EnginePick]:
+    """The device's engine-wide picks (one per model and choice), each with a summary of
+    its evidence; a pick measured with another vLLM version than the running one is kept
+    with a warning (the running vLLM may rank its backends differently, or lack the value:
+    ``fltune serve`` then says so)."""
+    running = devmod.stack().get("vllm")
+    out = []
+    for r in db.engine_picks(dev["device_key"], dev["driver"]):
+        ev = r.get("evidence") or {}
+        if r["decision"] == "pick" and r.get("vllm") and running and r["vllm"] != running:
+            warnings.append(f"engine pick {r['choice']}={r['value']} for "
+                            f"{r.get('model_name') or r['model']} was measured with vLLM "
+                            f"{r['vllm']}, this is {running}: re-run `fltune adjudicate "
+                            f"--engine-choice {r['choice']}` to re-measure")
+        values = {v: {"verdict": e.get("verdict"),
+                      "points": [{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low",
+                                                        "ci_high")}
+                                 for p in e.get("points") or []]}
+                  for v, e in sorted((ev.get("values") or {}).items())}
+        out.append(EnginePick(model=r["model"], choice=r["choice"], decision=r["decision"],
+                              value=r["value"], reason=r["reason"] or "",
+                              rule=r["rule"] or "", model_name=r.get("model_name"),
+                              vllm=r.get("vllm"), evidence={"values": values}))
     return out
 
 

