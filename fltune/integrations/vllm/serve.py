@@ -145,6 +145,9 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     route = plugin.normalize_route(env.get(plugin.ENV_ROUTE))
     try:
         plugin.check_route(route)
+        # FLTUNE_SEAM travels in the environment; checked here so a typo fails before vLLM
+        from . import ir_provider
+        ir_provider.seam_from_env(env)
         manifest, manifest_file, source = resolve(manifest_or_db_path, strict)
         device_type, cap = _device_facts()
         plan = plugin.build_plan(manifest, source, device_type=device_type, capability=cap,
