@@ -456,6 +456,7 @@ def cmd_adjudicate(a) -> int:
     import os
 
     from ..evaluate import model_step
+    from ..integrations.vllm.linear_seam import SEAMED_OPS as LINEAR_SEAMED
     from ..integrations.vllm.ops import SEAMED_OPS
     from .render import render_adjudication
 
@@ -477,7 +478,8 @@ def cmd_adjudicate(a) -> int:
         return model_step.adjudicate(a.db, a.model, device=a.db_device, scenarios=scenarios,
                                      reps=a.reps, warmup=a.warmup,
                                      ops=a.ops.split(",") if a.ops else None,
-                                     seamed=SEAMED_OPS, out_dir=a.out, progress=progress,
+                                     seamed=SEAMED_OPS | LINEAR_SEAMED, out_dir=a.out,
+                                     progress=progress,
                                      command=command)
 
     doc = _interruptible((run, _measured_only("adjudicate")))

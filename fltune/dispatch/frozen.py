@@ -65,7 +65,7 @@ class FrozenDispatch:
         self._selectors = {
             op: _selector(self._tables[op], self._fallback[op], self._key_arg[op],
                           _reroute(op, _layout_chain(registry, op, self._fallback[op]),
-                                   strict, self.rerouted))
+                                   strict, self.rerouted), OPS[op].key_extra)
             for op in self._tables}
 
     def select(self, op_name: str, *args):
@@ -79,7 +79,7 @@ class FrozenDispatch:
         return list(self._tables)
 
 
-def _selector(table: dict, fallback, key_arg: int, reroute):
+def _selector(table: dict, fallback, key_arg: int, reroute, key_extra=None):
     """One op's band lookup as a closure over its table, built once at freeze time: the
     hot path then costs a tuple index, two tensor attribute reads, one dict get, (only
     where bands pick different implementations) one bisect, and, for a candidate that
@@ -91,6 +91,25 @@ def _selector(table: dict, fallback, key_arg: int, reroute):
     entries = {k: (edges, impls, None if edges else impls[0])
                for k, (edges, impls) in table.items()}
     get, bisect_left = entries.get, bisect.bisect_left
+    if key_extra is not None:
+        # ops whose trailing shape does not identify the table (``OpSpec.key_extra``:
+        # linear's N and bias), in a closure of their own: the other ops' path is unchanged
+        def select_keyed(args):
+            x = args[key_arg]
+            shape = x.shape
+            hit = get((x.dtype, tuple(shape[1:]) + key_extra(args)))
+            if hit is None:
+                impl = fallback
+            elif hit[2] is not None:
+                impl = hit[2]
+            else:
+                impl = hit[1][bisect_left(hit[0], shape[0])]
+            supports = impl.supports
+            if supports is None or supports(*args) is None:
+                return impl
+            return reroute(impl, args)
+
+        return select_keyed
 
     def select(args):
         x = args[key_arg]

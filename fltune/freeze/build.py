@@ -52,7 +52,8 @@ def key_shape(op: str, dims: dict):
     spec = get_op(op)
     args = spec.make_inputs(1, dims, torch.float32, "cpu", torch.Generator().manual_seed(0))
     x = args[spec.key_arg]
-    return list(x.shape[1:]), int(x.shape[0])
+    extra = list(spec.key_extra(args)) if spec.key_extra is not None else []
+    return list(x.shape[1:]) + extra, int(x.shape[0])
 
 
 def stack_differences(recorded: dict, now: dict) -> list[str]:

@@ -81,6 +81,11 @@ class OpSpec:
     #: (call arguments, dtype) -> (rtol, atol scale) where the dtype's table does not fit
     #: the op's arithmetic (a K-long reduction: ``ops/linear.py``); None = the table
     tolerance: Optional[Callable[[list, Any], tuple]] = None
+    #: call arguments -> ints appended to the key argument's trailing shape in the frozen
+    #: table key, where that shape alone does not tell the op's tables apart (a GEMM's
+    #: x is [M, K]: every layer with the same K would share one table; ``linear`` adds N
+    #: and whether there is a bias). None = the trailing shape alone (every other op)
+    key_extra: Optional[Callable[[Sequence], tuple]] = None
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""

@@ -98,6 +98,9 @@ LINEAR = OpSpec(
     default_dims={"n": 1024, "k": 3584, "bias": False},
     layouts=(padded_rows(0), column_slice(0)),
     tolerance=tolerance,
+    # frozen tables keyed by (dtype, K, N, bias): x's [M, K] alone would let every layer of
+    # one K (qkv, gate_up, lm_head, ...) share a table
+    key_extra=lambda args: (int(args[1].shape[0]), int(args[2] is not None)),
     doc="unquantized GEMM: x @ W.T (+ b), fp32 accumulation")
 
 SPECS = [LINEAR]

@@ -32,7 +32,7 @@ import threading
 import time
 
 from ...dispatch import frozen
-from . import ops
+from . import linear_seam, ops
 
 log = logging.getLogger("vllm.fltune")
 
@@ -247,9 +247,11 @@ def after_load_model(runner) -> None:
     if model is None or not hasattr(model, "modules"):
         return
     layers = ops.routed_layers(model)
+    if linear_seam.routed_layers(model):
+        layers["linear (GEMM)"] = linear_seam.routed_layers(model)
     RECORD["layers"] = layers
     built = {op for m in model.modules() if isinstance(m, ops.SeamMixin)
-             for op in m.fltune_routes}
+             for op in m.fltune_routes} | linear_seam.built_routes(model)
     from .config import compiled_with_inductor
 
     missing = sorted(set(plan.effective_routes(compiled_with_inductor())) - built)

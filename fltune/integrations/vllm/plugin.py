@@ -66,7 +66,7 @@ from typing import Optional
 
 from ...dispatch import frozen
 from ...dispatch.manifest import NATIVE_PREFIXES, Manifest, OpEntry, is_native
-from . import ops
+from . import linear_seam, ops
 from .config import (ADDITIONAL_CONFIG_KEY, ENV_COUNTERS, ENV_COUNTERS_INTERVAL,  # noqa: F401
                      ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, OPS_PREFIX, ROUTE_CONFIG_KEY,
                      ROUTE_MODES, ROUTE_RULE, STATUS, FltunePluginError, check_route,
@@ -167,6 +167,9 @@ class Plan:
                 return False, ("model-step: no decision for this op (the model's others were "
                                "measured): vLLM's path")
             return d.routes, f"model-step {d.decision} ({d.rule}): {d.reason}"
+        if op_name in linear_seam.DECISION_ONLY_OPS:
+            return False, ("unmeasured: routed only on a model-step decision 'route' "
+                           f"(`{adjudicate_hint(self, self.model)}`); vLLM's path")
         if not compiled:
             return True, "unmeasured; eager: routed as calibrated"
         verdict = self.fusion.get(op_name)
@@ -350,7 +353,7 @@ def build_plan(manifest: dict, source: str, *, device_type: str,
         winners = entry.impl_ids()
         if all(is_native(w) for w in winners):
             native.append(op_name)
-        elif op_name not in ops.SEAMED_OPS:
+        elif op_name not in ops.SEAMED_OPS | linear_seam.SEAMED_OPS:
             unseamed.append(op_name)
         else:
             routed[op_name] = tuple(dict.fromkeys(winners))
@@ -441,6 +444,7 @@ def fail(exc: BaseException, settings: Optional[Settings], where: str) -> None:
     ops.clear_plan()
     try:
         ops.unregister_layers()
+        linear_seam.uninstall()
     except Exception:
         pass
     try:
@@ -493,6 +497,8 @@ def apply(settings: Settings) -> Optional[Plan]:
             # narrowed to what the served model's decisions and the compile mode keep, in
             # before_load_model
             ops.register_layers(plan.possible_routes())
+        if linear_seam.OP in plan.possible_routes():
+            linear_seam.install()           # vLLM's GEMM methods; routed layers marked at load
         hooks.install_load_model_hooks()
     except Exception as e:
         fail(e, settings, "loading the manifest")
@@ -522,6 +528,7 @@ def _reset_for_tests() -> None:
         _registered = False
         ops.clear_plan()
         ops.unregister_layers()
+        linear_seam.uninstall()
         from . import ir_provider
         ir_provider.uninstall()
         frozen.thaw_dispatch()
