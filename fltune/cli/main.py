@@ -12,6 +12,7 @@
   verify       re-measure a DB's winners; exit 1 when it is stale
   refine       bisect the crossover between neighbouring bands' winners into the DB
   diff         two DBs (or two devices of one) side by side
+  merge        several DBs into one fleet DB; every conflict resolved by a stated rule
 
 Each ``cmd_*`` is a thin driver: it calls the stage that does the work, which returns a
 document (a dict); ``--json`` prints that document, otherwise ``cli/render.py`` (the only
@@ -652,6 +653,19 @@ def cmd_diff(a) -> int:
     return 0
 
 
+def cmd_merge(a) -> int:
+    """`fltune merge A.db B.db ... -o fleet.db` (store/merge.py)."""
+    from ..store.merge import merge
+    from .render import render_merge
+
+    doc = merge(a.inputs, a.out).as_dict()
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        render_merge(doc)
+    return 0
+
+
 def _isolate_args(c, what: str = "race") -> None:
     """``--no-isolate`` and ``--candidate-timeout``: where the races run (see
     ``tune/worker.py``); the same two flags for calibrate, refine, bench and verify."""
@@ -886,8 +900,19 @@ def _add_diff(sub) -> None:
     c.set_defaults(fn=cmd_diff)
 
 
+def _add_merge(sub) -> None:
+    c = sub.add_parser("merge", help="several calibration DBs -> one fleet DB (union by "
+                                     "device, driver and stack; conflicts listed)")
+    c.add_argument("inputs", nargs="+", metavar="DB",
+                   help="calibration DBs to merge (read only, never modified)")
+    c.add_argument("-o", "--out", required=True, type=_out_arg,
+                   help="the merged DB to write: a new file, not one of the inputs")
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
+    c.set_defaults(fn=cmd_merge)
+
+
 #: one function per subcommand, in the order ``fltune --help`` lists them
-SUBCOMMANDS = (_add_candidates, _add_calibrate, _add_freeze, _add_report, _add_devices, _add_serve, _add_bench, _add_verify, _add_refine, _add_diff)
+SUBCOMMANDS = (_add_candidates, _add_calibrate, _add_freeze, _add_report, _add_devices, _add_serve, _add_bench, _add_verify, _add_refine, _add_diff, _add_merge)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -712,6 +712,8 @@ def render_adjudication(doc: dict, console=None) -> None:
     rows = [{**d, "model": doc.get("model")} for d in doc.get("decisions") or []]
     render_route_decisions(rows, console, title="decisions (stored in the DB; freeze and "
                                                 "`fltune serve --db` follow them)")
+
+
 def render_engine_picks(rows: list, console=None, title: str = None) -> None:
     """Per model and engine-wide choice: the value picked or vLLM's default kept, why, and
     per value measured its verdict and ratio to vanilla per scenario."""
@@ -764,3 +766,46 @@ def render_engine_listing(listings: list, console=None) -> None:
     console.print(t)
 
 
+def _merge_key(c: dict) -> str:
+    """A conflict's key in one short line: the band (or run, decision) it is about."""
+    k = dict(c["key"])
+    dev = k.pop("device_key", None)
+    drv = k.pop("driver", None)
+    head = f"{(dev or '')[:8]}@{drv}" if dev or drv else ""
+    return " ".join([head] + [str(v) for v in k.values()]).strip()
+
+
+def render_merge(doc: dict, console=None) -> None:
+    """`fltune merge`: rows taken per table, then every conflict with the rule that decided
+    it (the whole sides are in ``--json``)."""
+    if console is None:
+        console = wide_console(150)
+    console.print(f"[bold]fltune merge[/] — {len(doc['inputs'])} DBs → {escape(doc['out'])}")
+    t = Table(title="rows per table (inputs together → merged)", title_justify="left")
+    t.add_column("table")
+    for i, _ in enumerate(doc["inputs"]):
+        t.add_column(f"in {i + 1}", justify="right")
+    t.add_column("merged", justify="right")
+    for name, r in doc["rows"].items():
+        if not r["in"] and not r["out"]:
+            continue
+        t.add_row(name, *(str(d["rows"].get(name, 0)) for d in doc["inputs"]), str(r["out"]))
+    console.print(t)
+    for i, d in enumerate(doc["inputs"]):
+        mig = f" (schema {d['schema_version']}, migrated in a copy)" if d["migrated"] else ""
+        console.print(f"in {i + 1}: {escape(d['path'])}{mig}")
+    if doc["conflicts"]:
+        t = Table(title="conflicts (same key, different rows): kept by the rule",
+                  title_justify="left")
+        for c in ("table", "key", "kept from", "rule", "why"):
+            t.add_column(c, overflow="fold")
+        for c in doc["conflicts"]:
+            t.add_row(c["table"], escape(_merge_key(c)), escape(", ".join(c["kept"])),
+                      c["rule"], escape(c["why"]))
+        console.print(t)
+    for n in doc["notes"]:
+        console.print(f"[yellow]note:[/] {escape(n)}")
+    s = doc["summary"]
+    rules = ", ".join(f"{k} {v}" for k, v in sorted(s["rules"].items())) or "none"
+    console.print(f"{s['conflicts']} conflicts ({rules}); integrity {doc['integrity']}; "
+                  f"{s['rows_out']} rows in {doc['wall_s']:.1f} s → {escape(doc['out'])}")
