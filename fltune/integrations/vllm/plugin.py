@@ -14,7 +14,11 @@ plugin is configured by the environment, which every process sees alike:
   (JSON, rewritten every ``FLTUNE_COUNTERS_INTERVAL`` seconds and at exit; ``{pid}`` in
   the name is replaced by the process id, for several workers);
 - ``FLTUNE_ROUTE``: ``auto`` (default), ``all``, or ``ops:a,b``; see "Which ops are routed"
-  below.
+  below;
+- ``FLTUNE_SEAM``: ``layer`` (default: every op through the OOT layer classes) or ``ir``:
+  the ops that are vLLM IR ops on the installed vLLM (``rms_norm``, ``fused_add_rms_norm``)
+  go through vLLM's own priority list with fltune as an IR provider (``ir_provider.py``),
+  the rest through the layer classes; no op is claimed by both.
 
 Which ops are routed. Only ops whose manifest picks something other than vLLM's own path
 (an impl id not starting with ``reference.``, ``native.`` or ``inductor.``:
