@@ -360,6 +360,24 @@ def test_lowering_runs_after_the_fusion_passes_and_picks_per_range(plugin_with, 
     assert "fltune" in pm.ir_lowering.uuid()
 
 
+def test_fltune_serve_says_which_ops_go_through_ir_and_refuses_a_bad_seam(tmp_path):
+    import io
+
+    from fltune.integrations.vllm import serve
+
+    path = write(tmp_path / "m.json", split_rms_manifest())
+    buf = io.StringIO()
+    _, env, plan = serve.prepare(path, vllm_args=["--model", "x"],
+                                 environ={"FLTUNE_SEAM": "ir"}, out=buf)
+    assert plan is not None and env["FLTUNE_SEAM"] == "ir"      # travels to every process
+    line = [ln for ln in buf.getvalue().splitlines() if "FLTUNE_SEAM=ir" in ln]
+    assert line and "rms_norm, fused_add_rms_norm through vLLM IR" in line[0]
+    assert "compile_ranges_endpoints: [4]" in line[0]
+    with pytest.raises(serve.ServeError, match="FLTUNE_SEAM"):
+        serve.prepare(path, strict=True, vllm_args=["--model", "x"],
+                      environ={"FLTUNE_SEAM": "both"}, out=io.StringIO())
+
+
 # ---- end to end ------------------------------------------------------------------------
 
 def test_tiny_model_serves_through_the_ir_route(engines):

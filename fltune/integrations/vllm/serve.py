@@ -169,6 +169,13 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
         env[plugin.ENV_STRICT] = "1"
     key = served_model_key(vllm_args)
     print(plugin.plan_table(plan.with_model(key) if key else plan), file=out, flush=True)
+    if ir_provider.seam_from_env(env) == "ir":
+        owned = ir_provider.ir_ops_here()
+        edges = ir_provider.range_endpoints(plan)
+        print(f"  {ir_provider.ENV_SEAM}=ir: {', '.join(owned) or 'no op'} through vLLM IR "
+              f"(provider {ir_provider.PROVIDER}, first in vLLM's priority where routed above)"
+              + (f"; native/other band edges for -cc.compile_ranges_endpoints: {edges}"
+                 if edges else ""), file=out, flush=True)
     extra = engine_args(manifest, key, vllm_args, out)
     return vllm_argv(vllm_args, plan.fingerprint, route) + extra, env, plan
 
