@@ -517,6 +517,8 @@ def merge(paths, out, *, progress=None) -> MergeResult:
         try:
             _write(tmp_out, merged)
             problems, integrity = check(tmp_out)
+            if os.path.exists(tmp_out + "-wal") and os.path.getsize(tmp_out + "-wal"):
+                problems.append("the merged DB's WAL was not checkpointed")
             if problems:
                 raise MergeError(f"the merged DB failed its checks ({'; '.join(problems[:3])}); "
                                  f"nothing was written to {out}. Please report this")
@@ -682,6 +684,9 @@ def _write(path: str, merged: dict) -> None:
                     db.db["meta"].upsert_all(rows, pk="key")
                 else:
                     db.db[t].insert_all(rows)
+        # everything into the main file before it is renamed: the -wal beside the
+        # temporary name does not travel with it
+        db.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         db.close()
 
