@@ -32,19 +32,26 @@ pytestmark = [
 ENGINE_TIMEOUT = 420
 
 
-def ir_manifest(decisions=None):
+ROUTED = ("rms_norm", "fused_add_rms_norm", "silu_and_mul")
+
+
+def ir_manifest(decisions=None, rms_bands=None):
     """rms_norm -> vLLM's _C kernel (hidden and per-head q/k tables); fused add-norm split:
     up to 4 tokens vLLM's kernel, above the reference (so both ops route, one across two
-    bands); silu_and_mul -> vLLM's kernel (a non-IR op: the layer route keeps it)."""
+    bands); silu_and_mul -> vLLM's kernel (a non-IR op: the layer route keeps it). With the
+    tiny model's model-step decisions: 'route' for ``ROUTED`` unless ``decisions`` says
+    otherwise (rotary has none: vLLM's path)."""
     ops = routed_manifest()["ops"]
     ops["fused_add_rms_norm"] = {"fallback": "reference.torch", "tables": [
         table([HIDDEN], [band(1, 4, "vendor.vllm"), band(5, BIG, "reference.torch")])]}
+    if rms_bands:
+        ops["rms_norm"]["tables"][0]["bands"] = rms_bands
     m = make_manifest(ops)
-    if decisions:
-        from fltune.dispatch.manifest import fingerprint_of
-        m.pop("fingerprint")
-        m["route_decisions"] = decisions
-        m["fingerprint"] = fingerprint_of(m)
+    from fltune.dispatch.manifest import fingerprint_of
+    m.pop("fingerprint")
+    m["route_decisions"] = decisions if decisions is not None else [
+        decision(op, "route") for op in ROUTED]
+    m["fingerprint"] = fingerprint_of(m)
     return m
 
 
@@ -218,11 +225,8 @@ def test_manifest_fingerprint_in_the_compile_hash(plugin_with):
 
     plugin_with(ir_manifest())
     a = (vllm_config().kernel_config.compute_hash(), ir.ops.rms_norm.impls["fltune"].uuid())
-    other = ir_manifest()
-    other["ops"]["rms_norm"]["tables"][0]["bands"] = [band(1, 8, "vendor.vllm"),
-                                                      band(9, BIG, "reference.torch")]
-    other = make_manifest(other["ops"])
-    plugin_with(other)
+    plugin_with(ir_manifest(rms_bands=[band(1, 8, "vendor.vllm"),
+                                       band(9, BIG, "reference.torch")]))
     b = (vllm_config().kernel_config.compute_hash(), ir.ops.rms_norm.impls["fltune"].uuid())
     assert a[0] != b[0] and a[1] != b[1]
 
@@ -266,8 +270,9 @@ def test_the_two_routes_never_both_claim_an_op(plugin_with):
     # IR seam: the norms are vLLM IR's; silu_and_mul (no IR op) keeps the layer route
     plugin = plugin_with(ir_manifest())
     assert ops.ir_owned() == {"rms_norm", "fused_add_rms_norm"}
-    plan = ops.current_plan()
-    assert plan.effective_routes(compiled=False) == ["rotary_embedding", "silu_and_mul"]
+    plan = ops.current_plan().with_model(tiny_key())    # as the load_model hook sets it
+    ops.set_plan(plan)
+    assert plan.effective_routes(compiled=True) == ["silu_and_mul"]
     cfg = vllm_config()
     with set_current_vllm_config(cfg):
         norm, act = RMSNorm(HIDDEN, eps=1e-6), SiluAndMul()
@@ -278,6 +283,7 @@ def test_the_two_routes_never_both_claim_an_op(plugin_with):
     # layer seam (default): the layer classes route the norms; no fltune provider listed
     plugin = plugin_with(ir_manifest(), seam="layer")
     assert plugin.STATUS["state"] == "applied" and ops.ir_owned() == frozenset()
+    ops.set_plan(ops.current_plan().with_model(tiny_key()))
     cfg = vllm_config()
     assert "fltune" not in cfg.kernel_config.ir_op_priority.rms_norm
     with set_current_vllm_config(cfg):
@@ -298,10 +304,7 @@ def test_bad_seam_is_refused_loudly(plugin_with, caplog):
 def split_rms_manifest():
     """rms_norm (hidden): up to 4 tokens the reference (vLLM's own path), above vLLM's
     kernel."""
-    ops = ir_manifest()["ops"]
-    ops["rms_norm"]["tables"][0]["bands"] = [band(1, 4, "reference.torch"),
-                                             band(5, BIG, "vendor.vllm")]
-    return make_manifest(ops)
+    return ir_manifest(rms_bands=[band(1, 4, "reference.torch"), band(5, BIG, "vendor.vllm")])
 
 
 @pytest.mark.parametrize("rng, provider", [((1, 256), "fltune"), ((5, 256), "fltune"),
