@@ -36,8 +36,8 @@ Priority from the measurements. The plugin wraps the platform's
 ``get_default_ir_op_priority`` (the hook vLLM asks for each platform's default list while
 it builds ``VllmConfig``, in the process that builds it; the list then travels to the
 workers in the config and ``WorkerBase.__init__`` installs it with ``set_default``). For
-each owned op the plan's verdict for the served model (``Plan.route_verdict``: model-step
-decision, else the launch-floor rule, or ``FLTUNE_ROUTE``) puts ``fltune`` first (route)
+each owned op the plan's verdict for the served model (``Plan.route_verdict``, the verdict the
+layer route uses: model-step decision, or ``FLTUNE_ROUTE``) puts ``fltune`` first (route)
 or leaves vLLM's default untouched (native first under Inductor; fltune never chosen).
 Because vLLM appends platform defaults *after* a user's ``--ir-op-priority.<op>=...``, an
 explicit user list always wins. An engine argument alone (``--ir-op-priority.rms_norm=
