@@ -168,8 +168,8 @@ def test_builtin_discovery_report():
         "fltune.backends.inductor": len(OPS) - len(NOT_COMPILED),
         "fltune.backends.native_vllm": len(LAYER_OF),
         "fltune.backends.flaggems": 8, "fltune.backends.vllm_c": 8,
-        # GDN: 4 prefill + 3 decode candidates; FlashInfer: 8 existing ops + 2 GDN
-        "fltune.backends.fla_vllm": 7, "fltune.backends.flashinfer": 10}
+        # GDN: 5 prefill + 4 decode candidates; FlashInfer: 8 existing ops + 2 GDN
+        "fltune.backends.fla_vllm": 9, "fltune.backends.flashinfer": 10}
     assert sorted(reg.ops()) == sorted(OPS)
     # discovering again replaces, never duplicates
     discover(reg, entry_point_group=None, environ={})

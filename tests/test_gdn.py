@@ -20,6 +20,11 @@ from fltune.tune.workload import derive
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SMALL = {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 8}
 _REG = build_builtin_registry()
+try:
+    import vllm._custom_ops  # noqa: F401
+    VLLM_CPU = hasattr(torch.ops._C, "chunk_gated_delta_rule_cpu")
+except Exception:
+    VLLM_CPU = False
 
 
 def _prefill(n, dims, dtype=torch.float64, seed=0):
@@ -257,6 +262,10 @@ def test_cpu_candidates_and_gpu_only_reasons(op):
         ok = {i for i, impl in impls.items() if impl.qualify(ctx) is None}
         want = {"reference.torch"} | ({"reference.torch_chunk"} if op == "gdn_chunk_prefill"
                                       else set())
+        # vllm-cpu's own kernels: bf16 prefill, bf16/fp16 decode
+        if VLLM_CPU and dtype in ((torch.bfloat16,) if op == "gdn_chunk_prefill"
+                                  else (torch.bfloat16, torch.float16)):
+            want.add("vendor.vllm")
         assert ok == want, (op, dtype, ok)
         for impl_id in GPU_ONLY[op]:
             why = impls[impl_id].qualify(ctx)
@@ -292,3 +301,32 @@ def test_prefill_backend_mapping():
     assert mapping["vendor.cutedsl_vllm"] == "cutedsl"
     assert mapping["reference.torch"] is None and mapping["default.flagos"] is None
     assert gdn.gdn_prefill_backend_for("no.such") is None
+
+
+@pytest.mark.skipif(not VLLM_CPU, reason="vllm-cpu's GDN kernels not installed")
+@pytest.mark.parametrize("op,dname,n,dims", [
+    ("gdn_chunk_prefill", "bf16", 130, {**gdn.QWEN35_GDN, "seqs": 3}),
+    ("gdn_decode", "bf16", 7, gdn.QWEN35_GDN),
+    ("gdn_decode", "fp16", 3, {**gdn.QWEN35_GDN, "num_v_heads": 32}),   # Qwen3.5-4B: grouped
+])
+def test_vllm_cpu_kernels_pass_parity(op, dname, n, dims):
+    """vllm-cpu's C++ kernels through the layout-transposing adapters: the real CPU vendor
+    candidate of both ops (its state pool is [K, V] per head, the contract's [V, K])."""
+    dtype = DTYPES[dname]
+    spec = get_op(op)
+    impl = _REG.get(op, "vendor.vllm")
+    args = spec.make_inputs(n, dims, dtype, "cpu", torch.Generator().manual_seed(6))
+    assert impl.qualify(QualifyContext("cpu", dtype)) is None and impl.unsupported(args) is None
+    res = parity.check(spec, impl.fn, args, dtype)
+    assert res.passed and res.rel_error < 1e-2, res
+
+
+@pytest.mark.skipif(not VLLM_CPU, reason="vllm-cpu's GDN kernels not installed")
+def test_vllm_cpu_prefill_declares_its_limits():
+    impl = _REG.get("gdn_chunk_prefill", "vendor.vllm")
+    assert "bf16 only" in impl.qualify(QualifyContext("cpu", torch.float16)) or \
+        "not supported" in impl.qualify(QualifyContext("cpu", torch.float16))
+    args = _prefill(5, {**SMALL, "seqs": 1}, torch.bfloat16)
+    assert "multiple of 32" in impl.unsupported(args)           # head_v_dim 8
+    why = impl.qualify(QualifyContext("cuda", torch.bfloat16, (9, 0)))
+    assert why and "vendor.fla_vllm" in why

