@@ -295,8 +295,12 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
 VOCAB_PADDING = 64
 
 
-def _vocab_shard(text, cfg, tp, where) -> int:
-    """The LM head's N per rank: the padded vocabulary over ``tp`` (VocabParallelEmbedding)."""
+def _vocab_shard(text, cfg, tp, where):
+    """The LM head's N per rank: the padded vocabulary over ``tp`` (VocabParallelEmbedding);
+    None when the config names no vocabulary (no LM head item then: the other ops' items
+    do not need it)."""
+    if text.get("vocab_size", cfg.get("vocab_size")) is None:
+        return None
     vocab = _int(text, "vocab_size", where, default=cfg.get("vocab_size"), maximum=1 << 24)
     padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
     return -(-padded // tp)
@@ -308,7 +312,7 @@ def _add_linear(add, layers_) -> None:
     joined: the calibration measures a shape once, weighted by every call of it."""
     merged: dict = {}
     for where_, calls, n, k, bias in layers_:
-        if calls <= 0:
+        if calls <= 0 or n is None:
             continue
         key = (n, k, bias)
         w0, c0 = merged.get(key, ("", 0))
