@@ -238,6 +238,10 @@ def test_qwen35_08b_linear_layers():
         "gate_up_proj (mlp)": (7168, 1024, False, 24),
         "down_proj (mlp)": (1024, 3584, False, 24),
         "lm_head (M = sampled tokens)": (248320, 1024, False, 1)}
+    caps = {i.where: i.max_tokens for i in derive("Qwen3.5-0.8B", device="cuda").items
+            if i.op == "linear"}
+    assert caps.pop("lm_head (M = sampled tokens)") == 1024       # sampled rows only
+    assert set(caps.values()) == {None}
     # column-parallel layers shard N, row-parallel ones K
     assert _linear("Qwen3.5-0.8B", tp=2) == {
         "qkv_proj (full attention, q with its output gate)": (2560, 1024, False, 6),
@@ -286,9 +290,11 @@ def test_linear_is_opt_in_on_cpu_and_default_on_cuda():
 
 # ---- freeze: one table per (K, N, bias) ---------------------------------------------------
 
-def test_calibrate_and_freeze_key_linear_tables_by_n_and_k(tmp_path):
+def test_calibrate_and_freeze_key_linear_tables_by_n_and_k(tmp_path, monkeypatch):
     """A real (short) CPU calibration of the fixture's GEMMs, frozen: every (N, K) gets its
-    own table and frozen dispatch tells apart layers that share K."""
+    own table and frozen dispatch tells apart layers that share K. The LM head is measured
+    only up to its cap (sampled rows; the cap lowered to 1 here so two bands show it)."""
+    from fltune.tune import workload as wl
     from fltune.dispatch.frozen import FrozenDispatch
     from fltune.freeze import build_manifest
     from fltune.tune.calibrate import calibrate
@@ -303,19 +309,25 @@ def test_calibrate_and_freeze_key_linear_tables_by_n_and_k(tmp_path):
     reg = OpRegistry()
     reg.register_many([i for i in _REG.get_implementations("linear")
                        if i.impl_id != "inductor.standalone"])
+    cfg = json.loads((FIXTURE / "config.json").read_text())
+    cfg["vocab_size"] = 320                      # an LM head of its own shape
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(wl, "LM_HEAD_MAX_TOKENS", 1)
     db = str(tmp_path / "lin.db")
-    res = calibrate(str(FIXTURE), db, ops=["linear"], max_tokens=2,
+    res = calibrate(str(tmp_path), db, ops=["linear"], max_tokens=2,
                     settings=Settings(device="cpu", budget_s=0.002, reps=5),
                     manager=OpManager(reg, SelectionPolicy()), warn=lambda s: None)
-    # 2 distinct (N, K) x 2 bands, every one decided by a measurement
-    assert res.measured == 2 * 2 and all(w["op"] == "linear" for w in res.winners)
+    # 2 distinct (N, K) x 2 bands, the LM head's first band only; each decided by a race
+    assert res.measured == 2 * 2 + 1 and all(w["op"] == "linear" for w in res.winners)
+    assert [w["band_hi"] for w in res.winners if "n=320" in w["signature"]] == [1]
     manifest, _ = build_manifest(db, check_stack=False, registry=reg)
     tables = manifest["ops"]["linear"]["tables"]
     # qkv 64->256 (4x32 q + 2x2x32 kv), o 128->64, gate_up 64->256 (same as qkv: one
-    # table, calls summed), down 128->64 (same as o), lm_head 64->256 (same again)
-    assert sorted(tuple(t["trailing"]) for t in tables) == [(64, 256, 0), (128, 64, 0)]
+    # table, calls summed), down 128->64 (same as o), lm_head 64->320
+    assert sorted(tuple(t["trailing"]) for t in tables) == [(64, 256, 0), (64, 320, 0),
+                                                            (128, 64, 0)]
     fd = FrozenDispatch(manifest, reg)
-    for k, n in ((64, 256), (128, 64)):
+    for k, n in ((64, 256), (128, 64), (64, 320)):
         impl = fd.select("linear", *_args(2, n, k, torch.bfloat16))
         assert impl.impl_id in {b["impl_id"] for t in tables if t["trailing"][:2] == [k, n]
                                 for b in t["bands"]}

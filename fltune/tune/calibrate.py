@@ -85,7 +85,11 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                            warn or (lambda line: print(line, file=sys.stderr, flush=True)),
                            db_path, workload.model, max_tokens, ops, tp)
     probed_item = None
-    tasks = [(item, band) for item in workload.items for band in band_list]
+    # an item capped below the top band (the LM head: sampled rows only) skips the bands
+    # above its cap; its table's last band then serves anything larger
+    tasks = [(item, band) for item in workload.items for band in band_list
+             if item.max_tokens is None or band.lo <= item.max_tokens]
+    last_of = {id(item): band for item, band in tasks}
     if progress:
         progress("start", total=len(tasks))
     status = "failed"
@@ -101,7 +105,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                 result.skipped += 1
                 if progress:
                     progress("skip", op=item.op, band=band, signature=sig, dtype=item.dtype,
-                             last=band is band_list[-1])
+                             last=band is last_of[id(item)])
                 continue
             if probed_item is not item:
                 if probed_item is not None:
@@ -125,7 +129,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                                                            "undecided")})
             if progress:
                 progress("band", op=item.op, band=band, winner=win, signature=sig,
-                         dtype=item.dtype, last=band is band_list[-1])
+                         dtype=item.dtype, last=band is last_of[id(item)])
         watch.probe("end")
         status = "done"
     except KeyboardInterrupt:

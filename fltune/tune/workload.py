@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Optional
 
 from ..ops import dtype_from_name
 from ..ops.base import DTYPE_NAMES
@@ -41,6 +42,10 @@ class WorkItem:
     dtype: str             # 'bf16' | 'fp16' | 'fp32'
     calls: int             # calls per forward step
     where: str             # which layer calls it, for reports
+    #: the largest token count this item ever runs at, when below the model's: the LM head
+    #: multiplies only the sampled rows (one per request), so bands above the engine's
+    #: request limit are never served (None: every band)
+    max_tokens: Optional[int] = None
 
     @property
     def dims_dict(self) -> dict:
@@ -179,10 +184,11 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
     i_tp = _shard(inter, tp, "intermediate_size", where)
     items: list[WorkItem] = []
 
-    def add(op, calls, where_, **dims):
+    def add(op, calls, where_, max_tokens=None, **dims):
         if calls > 0:
             items.append(WorkItem(op, tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                                   for k, v in dims.items())), dt, calls, where_))
+                                                   for k, v in dims.items())), dt, calls, where_,
+                                  max_tokens))
 
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, dict):
@@ -293,6 +299,9 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
 
 #: vLLM pads the vocabulary to a multiple of this before sharding it (ParallelLMHead)
 VOCAB_PADDING = 64
+#: the LM head's M is the number of requests sampling in a step, at most vLLM's
+#: ``max_num_seqs`` (its largest default is 1024): larger bands are not measured for it
+LM_HEAD_MAX_TOKENS = 1024
 
 
 def _vocab_shard(text, cfg, tp, where):
@@ -314,8 +323,11 @@ def _add_linear(add, layers_) -> None:
     for where_, calls, n, k, bias in layers_:
         if calls <= 0 or n is None:
             continue
+        cap = LM_HEAD_MAX_TOKENS if where_.startswith("lm_head") else None
         key = (n, k, bias)
-        w0, c0 = merged.get(key, ("", 0))
-        merged[key] = (f"{w0}, {where_}" if w0 else where_, c0 + calls)
-    for (n, k, bias), (where_, calls) in merged.items():
-        add("linear", calls, where_, n=n, k=k, bias=bias)
+        w0, c0, cap0 = merged.get(key, ("", 0, cap))
+        # a shape shared with a layer that runs every token count keeps every band
+        cap = None if cap is None or cap0 is None else max(cap, cap0)
+        merged[key] = (f"{w0}, {where_}" if w0 else where_, c0 + calls, cap)
+    for (n, k, bias), (where_, calls, cap) in merged.items():
+        add("linear", calls, where_, max_tokens=cap, n=n, k=k, bias=bias)
