@@ -439,6 +439,28 @@ def test_older_schema_input_migrated_in_a_copy(tmp_path):
     assert check(tmp_path / "out.db") == ([], "ok")
 
 
+def test_freeze_of_a_merged_device_is_the_freeze_of_its_own_db(tmp_path):
+    """The H200 DB merged with another device's DB freezes, for the H200, to the same
+    manifest as the H200 DB alone: the same ops, bands, picks, stack and policy (only the
+    source path, and so the fingerprint, differ)."""
+    from fltune.freeze import build_manifest
+    other = Writer(tmp_path / "cpu.db")
+    other.band(0, 0, 8, {"reference.torch": (10.0, 1e-3)})
+    other.close()
+    out = tmp_path / "fleet.db"
+    merge([H200_V2, tmp_path / "cpu.db"], out)
+    db = CalibrationDB(H200_V2, create=False)
+    try:
+        (dev,) = db.devices()
+    finally:
+        db.close()
+    alone, _ = build_manifest(str(H200_V2), device=dev["device_key"], check_stack=False)
+    fleet, _ = build_manifest(str(out), device=dev["device_key"], check_stack=False)
+    differ = {k for k in alone if alone[k] != fleet[k]}
+    assert differ == {"source_db", "fingerprint"} and alone["ops"]
+    assert alone["source_db"]["runs"] == fleet["source_db"]["runs"]
+
+
 # ---- refusals: a clear message, nothing written, inputs unchanged -----------------------
 
 def _good(tmp_path) -> Path:
