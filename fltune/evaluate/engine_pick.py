@@ -33,9 +33,10 @@ accept and actually run rather than a copy of its rule:
 :func:`adjudicate_engine` measures one e2e arm per value against vanilla vLLM — vLLM's own
 default, ``auto``, is itself the baseline arm — in one :func:`fltune.evaluate.e2e.run_e2e`
 call, and decides with :data:`RULE` (``engine-step/1``): each value is judged by
-``model_step.decide`` (the same rule as routing: some scenario's CI lower bound > 1, none's
-CI upper bound < 1, kernel time not above vanilla's); among the values that pass, the one
-with the highest geometric mean of its ratio medians is **picked**; if none passes, vLLM's
+``model_step.decide`` (the same rule as routing, whichever version it is — recorded as
+``value_rule``: in essence some scenario measurably faster, none measurably slower); among
+the values that pass, the one with the highest geometric mean of its ratio medians is
+**picked**; if none passes, vLLM's
 **default** is kept, with the reason per value. The row (table ``engine_picks``, schema 5)
 holds every value's overlay, points and verdict; ``freeze`` carries the picks into the
 manifest (and its fingerprint); ``fltune serve`` adds the picked value's flag for the served
@@ -54,6 +55,7 @@ from ..dispatch.manifest import model_key
 from ..store import CalibrationDB, DBError
 from ..store import device as devmod
 from ..tune.workload import load_config
+from . import model_step
 from .model_step import _reported_key, _scenario_json, _served_config, decide
 
 RULE = "engine-step/1"
@@ -320,13 +322,18 @@ def judge(per_value: dict) -> tuple:
     """(decision, value, reason, verdicts) from ``per_value``: value -> its arm's e2e
     points. Each value is judged by ``model_step.decide`` (verdicts: value -> (decision,
     reason)); among those it would route ('faster somewhere, slower nowhere'), the one
-    with the highest geometric mean of ratio medians is picked; none -> ('default',
-    ``auto``)."""
+    with the highest geometric mean of ratio medians (kernel-time ratios where every point
+    has one, else wall-time) is picked; none -> ('default', ``auto``)."""
     verdicts = {v: decide(pts) for v, pts in per_value.items()}
     passing = [v for v, (d, _) in verdicts.items() if d == "route"]
 
     def gmean(v):
-        xs = [p["ratio_median"] for p in per_value[v] if p.get("ratio_median")]
+        # the kernel-time ratio where every point has one (CUDA: what the rule trusts), else
+        # the wall-time ratio
+        pts = per_value[v]
+        k = "kernel_ratio_median" if pts and all(p.get("kernel_ratio_median")
+                                                 for p in pts) else "ratio_median"
+        xs = [p[k] for p in pts if p.get(k)]
         return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else 0.0
 
     summary = "; ".join(f"{v}: {r}" for v, (_, r) in verdicts.items())
@@ -409,6 +416,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                                                   "overlay": ch.overlay(DEFAULT)},
                 "listing": listing.to_json() if listing else None, "scenarios": scen,
                 "reps": reps, "warmup": warmup, "engine": engine, "command": command,
+                # the per-value rule is model_step's, whichever version it is now
+                "value_rule": model_step.RULE,
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
     me = devmod.current(device_type)
     stack = devmod.stack()
