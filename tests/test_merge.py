@@ -181,9 +181,20 @@ def _build(path, spec) -> Path:
     return Path(path)
 
 
+#: the property tests' files on tmpfs where there is one: a merge's time is mostly fsyncs
+FAST_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+@pytest.fixture(autouse=True)
+def _fast_tmp(monkeypatch):
+    """The merge's own temporary copies on tmpfs too (``tempfile`` picks the directory)."""
+    if FAST_DIR:
+        monkeypatch.setattr(tempfile, "tempdir", FAST_DIR)
+
+
 @contextlib.contextmanager
 def _dbs(*specs):
-    with tempfile.TemporaryDirectory(prefix="merge-test-") as d:
+    with tempfile.TemporaryDirectory(prefix="merge-test-", dir=FAST_DIR) as d:
         yield Path(d), [_build(Path(d) / f"in{i}.db", s) for i, s in enumerate(specs)]
 
 
@@ -195,8 +206,9 @@ def _merged(d: Path, name: str, *paths) -> Path:
 
 
 #: small: each example writes real SQLite files (a merge is ~0.2 s of fsyncs)
-PROPERTY = settings(max_examples=15, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=20, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow,
+                                           HealthCheck.function_scoped_fixture])
 
 
 @PROPERTY
@@ -238,7 +250,8 @@ def test_property_commutative_and_keeps_every_key(sa, sb):
         assert listed == differ
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(SPEC, SPEC, SPEC)
 def test_property_associative_on_winners(sa, sb, sc):
     with _dbs(sa, sb, sc) as (d, (a, b, c)):
