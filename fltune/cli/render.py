@@ -794,15 +794,22 @@ def render_merge(doc: dict, console=None) -> None:
     for i, d in enumerate(doc["inputs"]):
         mig = f" (schema {d['schema_version']}, migrated in a copy)" if d["migrated"] else ""
         console.print(f"in {i + 1}: {escape(d['path'])}{mig}")
-    if doc["conflicts"]:
+    # a band's measurements follow its winner: those conflicts are counted, not repeated
+    followed = [c for c in doc["conflicts"]
+                if c["table"] == "measurements" and c["rule"] == "with the winner"]
+    shown = [c for c in doc["conflicts"] if c not in followed]
+    if shown:
         t = Table(title="conflicts (same key, different rows): kept by the rule",
                   title_justify="left")
         for c in ("table", "key", "kept from", "rule", "why"):
             t.add_column(c, overflow="fold")
-        for c in doc["conflicts"]:
+        for c in shown:
             t.add_row(c["table"], escape(_merge_key(c)), escape(", ".join(c["kept"])),
                       c["rule"], escape(c["why"]))
         console.print(t)
+    if followed:
+        console.print(f"measurements of {len(followed)} band(s) followed their kept "
+                      f"winner (both sides of each in --json)")
     for n in doc["notes"]:
         console.print(f"[yellow]note:[/] {escape(n)}")
     s = doc["summary"]

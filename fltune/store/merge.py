@@ -395,7 +395,7 @@ class _Merger:
                 variants.setdefault(_dump(r), (r, []))[1].append(i)
         return {k: list(v.values()) for k, v in out.items()}
 
-    def resolve(self, table: str, key_cols, groups: dict, order, rule, extra=None) -> list:
+    def resolve(self, table: str, key_cols, groups: dict, order, rule) -> list:
         kept = []
         for key, cands in groups.items():
             cands = sorted(cands, key=lambda c: order(c[0]), reverse=True)
@@ -409,6 +409,9 @@ class _Merger:
                     "why": rules[0][1],
                     "sides": [_side(c[0], [self.paths[i] for i in c[1]], table)
                               for c in cands]})
+                if table == "winners":      # the precision the rules compared
+                    for side, c in zip(self.conflicts[-1]["sides"], cands):
+                        side["row"]["rel_error"] = self.ctx.rel_error(c[0])
         return kept
 
     def measurements(self, inputs: list, winners_by_key: dict) -> list:
