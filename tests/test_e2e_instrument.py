@@ -311,13 +311,11 @@ def test_cli_refuses_a_bad_arm_spec():
     assert r.returncode == 2 and "x=nonsense" in r.stderr
 
 
-def test_core_sets_are_disjoint_and_refused_when_too_few():
+def test_core_sets_are_one_shared_set_without_the_first_core():
     from fltune.evaluate.e2e import core_sets
 
     sets = core_sets(4, range(16))
-    assert len(sets) == 4 and all(len(s) == 4 for s in sets)
-    assert set().union(*sets) == set(range(16))
-    assert sum(len(s) for s in sets) == 16            # disjoint
-    assert core_sets(3, [0, 2, 4, 6, 8, 10, 12]) == [{0, 2}, {4, 6}, {8, 10}]
-    assert core_sets(2, range(3)) == []                 # fewer than two cores per arm
+    assert len(sets) == 4 and all(x == set(range(1, 16)) for x in sets)
+    assert core_sets(3, [0, 2, 4, 6]) == [{2, 4, 6}] * 3
+    assert core_sets(2, range(2)) == []                 # one core would be left
     assert core_sets(1, range(1)) == []

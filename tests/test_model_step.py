@@ -170,6 +170,36 @@ def test_rule_on_recorded_points(points, decision, word):
     assert got == decision and word in reason, reason
 
 
+def _kpt(scn, lo, hi, klo, khi):
+    return {**_pt(scn, lo, hi), "kernel_ci_low": klo, "kernel_ci_high": khi,
+            "kernel_ratio_median": (klo + khi) / 2}
+
+
+@pytest.mark.parametrize("points, decision, word", [
+    # the H200's A/A: wall "faster" at decode_b16 by noise, kernel inside the floor: a tie
+    ([_kpt("decode_b16", 1.006, 1.116, 0.992, 1.003), _kpt("decode_b1", 0.816, 1.064,
+                                                          1.008, 1.013)], "native", "tie"),
+    # kernel faster beyond the floor, wall CIs contain 1: route
+    ([_kpt("decode_b1", 0.95, 1.08, 1.015, 1.020), _kpt("prefill", 0.9, 1.1, 0.995, 1.004)],
+     "route", "faster: decode_b1 kernel CI"),
+    # the H200's Qwen3-0.6B rope routed by the old launch-floor rule: kernel slower
+    ([_kpt("decode_b1", 0.921, 1.031, 0.972, 0.977), _kpt("prefill_8192", 0.915, 0.963,
+                                                          0.948, 0.952)], "native",
+     "kernel slower"),
+    # kernel faster, but the wall is measurably slower somewhere: the safety net holds
+    ([_kpt("decode_b1", 1.0, 1.1, 1.02, 1.03), _kpt("prefill", 0.90, 0.97, 1.0, 1.005)],
+     "native", "slower: prefill"),
+    ([_kpt("decode_b1", 1.0, 1.1, 1.02, 1.03), _kpt("prefill", 0.95, 1.05, 0.97, 0.98)],
+     "native", "mixed"),
+])
+def test_rule_2_decides_by_kernel_time_with_a_floor(points, decision, word):
+    from fltune.evaluate.model_step import RULE, decide
+
+    assert RULE == "model-step/2"
+    got, reason = decide(points)
+    assert got == decision and word in reason, reason
+
+
 def test_tie_reason_names_each_ci():
     from fltune.evaluate.model_step import decide
 
@@ -244,7 +274,8 @@ def test_adjudication_measures_each_routable_op_alone_and_writes_its_rows(decide
     assert call["arms"][1].env == {"FLTUNE_DB": str(db), "FLTUNE_ROUTE": "ops:rms_norm"}
     assert call["reps"] == 3 and call["warmup"] == 1
     key = model_key(json.loads((FIXTURE / "config.json").read_text()))
-    assert doc["model_key"] == key and doc["rule"] == "model-step/1"
+    from fltune.evaluate.model_step import RULE
+    assert doc["model_key"] == key and doc["rule"] == RULE
     got = {d["op"]: d for d in doc["decisions"]}
     assert got["rms_norm"]["decision"] == "route"
     assert got["silu_and_mul"]["decision"] == "native" and "tie" in got["silu_and_mul"]["reason"]

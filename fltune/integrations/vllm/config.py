@@ -21,7 +21,9 @@ ROUTE_CONFIG_KEY = "fltune_route"
 #: /2: in auto mode the manifest's model-step decisions for the served model decide (an op is
 #: routed only where its decision is 'route'); the launch-floor rule only where the model has
 #: none; 'ops:a,b' routes exactly the listed ops
-ROUTE_RULE = "model-step-else-launch-floor/2"
+#: /3: a model without decisions is routed only in eager mode; compiled, vLLM's path stays
+#: (the launch-floor rule routed Qwen3-0.6B's rope on the H200 and made every step slower)
+ROUTE_RULE = "model-step/3"
 #: FLTUNE_ROUTE=ops:a,b — route exactly these ops (where the manifest has a non-native pick)
 OPS_PREFIX = "ops:"
 

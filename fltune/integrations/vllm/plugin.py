@@ -33,21 +33,29 @@ Which ops are routed. Only ops whose manifest picks something other than vLLM's 
   undecided for a model that has decisions) keeps vLLM's own layer class. The served model
   is recognised in the model's process, in the load_model hook, by
   ``dispatch.manifest.model_key`` of vLLM's HF config (architecture and dimensions, not a
-  name or a path: see there why). A model without decisions falls back to the launch-floor
-  rule below, and the plan says that its routing is unmeasured and how to measure it.
+  name or a path: see there why). A model without decisions is **not routed when vLLM
+  compiles** (Inductor): vLLM's path stays, and the plan says that its routing is unmeasured
+  and how to measure it. In eager mode (nothing fuses) it is routed as calibrated.
 
-Fusion (the launch-floor rule, for models without decisions). A routed op is an opaque custom op: Inductor cannot fuse it with its neighbours
+Why not the launch-floor rule below for an unmeasured compiled model (rule /2 did that): on
+the H200 (2026-11-30, ``benchmarks/results/h200-2026-11-30-s5``) it routed Qwen3-0.6B's
+rotary_embedding, and the model's GPU kernel time per step rose 2.4-5.1 % at every point
+(paired CIs well clear of 1) and prefill 8192 ran at 0.937x vanilla [0.915, 0.963]. A kernel
+race cannot see what routing costs inside a compiled model; only the model step can. The
+launch-floor estimate is still computed and shown beside the verdict.
+
+Fusion (the launch-floor estimate). A routed op is an opaque custom op: Inductor cannot fuse it with its neighbours
 (the residual add before a norm, the q/k split and norms around rope), so in a compiled
 vLLM it costs at least one kernel of its own where the native path may cost none. The
 calibration times each op alone, where that cost does not show; at decode sizes the
 candidates are within a microsecond of each other and the lost fusion dominates (measured
-on the H200: every op routed, Qwen3-0.6B batch 16 ran at 0.80x vanilla vLLM). So with
-``FLTUNE_ROUTE=auto``, when vLLM compiles with Inductor, an op is routed only if its win
-over the native compiled path (``native.vllm`` where measured, else the standalone
-``inductor.standalone`` candidate), averaged over a
-decode mix (1, 8, 32 and 128 tokens), exceeds the device's launch floor (the fastest
-kernel the calibration ever timed there): the least a kernel of its own costs. In eager
-mode (nothing fuses) and with ``FLTUNE_ROUTE=all`` every non-native op is routed.
+on the H200: every op routed, Qwen3-0.6B batch 16 ran at 0.80x vanilla vLLM). The estimate
+(``fusion_verdict``): an op's win over the native compiled path (``native.vllm`` where
+measured, else the standalone ``inductor.standalone`` candidate), averaged over a decode mix
+(1, 8, 32 and 128 tokens), against the device's launch floor (the fastest kernel the
+calibration ever timed there): the least a kernel of its own costs. It is shown in the plan
+as a hint of what a model-step run may find; it no longer routes anything (rule /3, above).
+In eager mode (nothing fuses) and with ``FLTUNE_ROUTE=all`` every non-native op is routed.
 
 Neither variable set: the plugin does nothing at all. Set: the manifest is loaded and
 checked here, in every process, before anything is changed — format and fingerprint, that
@@ -177,9 +185,9 @@ class Plan:
         if not compiled:
             return True, "unmeasured; eager: routed as calibrated"
         verdict = self.fusion.get(op_name)
-        if verdict is None:
-            return True, "unmeasured: routed as calibrated"
-        return verdict.route_compiled, f"unmeasured; launch-floor rule: {verdict.why}"
+        estimate = f"; the launch-floor estimate alone: {verdict.why}" if verdict else ""
+        return False, (f"unmeasured; compiled: vLLM's path until a model-step decision says "
+                       f"route (`{adjudicate_hint(self, self.model)}`){estimate}")
 
     def routes(self, op_name: str, compiled: bool) -> bool:
         """Whether ``op_name`` goes through fltune's custom op in this vLLM configuration."""
@@ -392,14 +400,16 @@ def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
                      f"({plan.model})")
     elif plan.model is not None:
         lines.append(f"  {plan.model}: routing unmeasured (no model-step decision in the "
-                     f"manifest): launch-floor rule; measure with `{adjudicate_hint(plan)}`")
+                     f"manifest): compiled, vLLM's path; eager, as calibrated; measure with "
+                     f"`{adjudicate_hint(plan)}`")
     elif decided:
         lines.append("  model-step decisions for " + ", ".join(
             f"{n} ({k})" for k, n in sorted(decided.items())) + "; another model: "
-            f"launch-floor rule (unmeasured), measure with `{adjudicate_hint(plan)}`")
+            f"unmeasured (compiled: vLLM's path), measure with `{adjudicate_hint(plan)}`")
     elif plan.routed:
         lines.append(f"  routing unmeasured (no model-step decision in the manifest): "
-                     f"launch-floor rule; measure with `{adjudicate_hint(plan)}`")
+                     f"compiled, vLLM's path; eager, as calibrated; measure with "
+                     f"`{adjudicate_hint(plan)}`")
     for op_name, entry in sorted(typed.ops.items()):
         state = ("routed" if op_name in plan.routed else
                  "native (vLLM's path)" if op_name in plan.native else
@@ -419,7 +429,7 @@ def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
                 ok, why = plan.route_verdict(op_name, True if compiled is None else compiled)
                 state = ("routed" if ok else "native (decided)" if why.startswith("model-step")
                          else "not routed")
-                if compiled is None and why.startswith("unmeasured; launch-floor"):
+                if compiled is None and why.startswith("unmeasured; compiled"):
                     state += " (compiled)"     # eager: routed
                 whys.append(why)
         tables = []
