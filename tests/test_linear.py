@@ -471,6 +471,8 @@ def test_linear_seam_serves_the_tiny_model_with_plugin_off_tokens(tmp_path):
     (off, off_cnt, off_log), (lin, cnt, log) = runs["off"], runs["linear"]
     assert "fltune manifest" not in off_log and not off_cnt
     assert lin["tokens"] == off["tokens"] and len(lin["tokens"][0]) > 0
+    # the custom op ran inside vLLM's compiled model, not only in eager mode
+    assert lin["mode"] == off["mode"] and lin["mode"].startswith("compiled")
     c = cnt["counters"]["linear"]
     assert c.get("torch.linear", 0) > 0 and c.get("native.vllm", 0) > 0, cnt
     assert cnt["effective_routes"] == ["linear"] and cnt["routed_without_layer"] == []
