@@ -127,8 +127,8 @@ def test_fixed_fl_order_on_real_registry(builtin_registry):
         want = [i for i in ("default.flagos", "vendor.fla_vllm", "vendor.vllm",
                             "vendor.fla_vllm_sigmoid", "vendor.flashinfer",
                             "vendor.cutedsl_vllm", "reference.torch",
-                            "reference.torch_chunk", "reference.torch_fused", "native.vllm",
-                            "inductor.standalone")
+                            "reference.torch_chunk", "reference.torch_fused", "torch.linear",
+                            "native.vllm", "inductor.standalone", "autotune.inductor")
                 if i in have]
         assert order == want, op
         if "inductor.standalone" in have:       # not for the GDN ops (ops.NOT_COMPILED)
