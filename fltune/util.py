@@ -57,7 +57,10 @@ def fmt_us(v) -> str:
 #: short display names of the built-in candidates, so tables fit a terminal
 SHORT = {"reference.torch": "reference", "reference.torch_fused": "torch",
          "inductor.standalone": "inductor", "native.vllm": "native", "vendor.vllm": "vllm",
-         "default.flagos": "flaggems"}
+         "default.flagos": "flaggems", "vendor.flashinfer": "flashinfer",
+         "vendor.fla_vllm": "fla", "vendor.fla_vllm_sigmoid": "fla-sigm",
+         "vendor.cutedsl_vllm": "cutedsl", "reference.torch_chunk": "torch-chunk",
+         "torch.linear": "F.linear", "autotune.inductor": "autotune"}
 
 
 def short_name(impl_id) -> str:
