@@ -123,6 +123,17 @@ def test_cpu_candidates_qualify_and_gpu_only_ones_say_why():
         assert why and word in why, (impl_id, why)
 
 
+def test_fixed_fl_order_runs_vllms_gemm_where_flaggems_cannot():
+    """The baseline a linear table is compared with: FlagGems first (FL's DEFAULT kind), then
+    vLLM's own GEMM, never fltune's fp32 reference (which no FL deployment runs)."""
+    from fltune.dispatch.policy import SelectionPolicy
+
+    order = [i.impl_id for i in SelectionPolicy().order("linear",
+                                                        _REG.get_implementations("linear"))]
+    assert order[0] == "default.flagos"
+    assert order.index("native.vllm") < order.index("reference.torch")
+
+
 def test_torch_linear_is_not_timed_twice_on_cuda(monkeypatch):
     """On CUDA vLLM's GEMM is F.linear itself, so ``torch.linear`` steps aside there. The
     installed vLLM is the CPU build, so its platform answer is replaced (a mock: no CUDA

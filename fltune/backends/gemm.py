@@ -34,8 +34,12 @@
   not affordable in a CPU calibration, so it is unqualified there with that reason.
 
 Kinds and priorities: ``native.vllm`` and ``torch.linear`` and ``autotune.inductor`` are
-PyTorch or vLLM code, kind REFERENCE, below FL's reference (``dispatch/types.py``);
-FlagGems keeps FL's DEFAULT/150. Only ``native.vllm`` carries a native impl-id prefix
+PyTorch or vLLM code, kind REFERENCE; FlagGems keeps FL's DEFAULT/150. ``native.vllm`` ranks
+*above* the eager reference here (55 > 50), unlike the other ops' compiled candidates: for a
+GEMM, what runs when FL has no kernel for it is vLLM's own GEMM, not fltune's fp32
+reference, so the fixed FL order (the report's baseline, ``freeze --order fl``) picks
+FlagGems where it qualifies and vLLM's GEMM elsewhere. ``torch.linear`` (45) and
+``autotune.inductor`` (38) stay below FL's reference. Only ``native.vllm`` carries a native impl-id prefix
 (``dispatch.manifest.is_native``): a ``linear`` table whose winners are all ``native.vllm``
 (or the ``reference.*`` / ``inductor.standalone`` PyTorch candidates) leaves vLLM's GEMM
 untouched, while ``torch.linear`` and ``autotune.inductor`` winning a band are routed
@@ -294,7 +298,7 @@ def _qualify_autotune(ctx):
 def implementations():
     return [
         OpImpl(op_name="linear", impl_id=NATIVE_ID, kind=BackendImplKind.REFERENCE,
-               fn=native_vllm, priority=42, backend="gemm", qualify=_qualify_native,
+               fn=native_vllm, priority=55, backend="gemm", qualify=_qualify_native,
                precision_rank=1, supports=SUPPORTS),
         OpImpl(op_name="linear", impl_id=TORCH_ID, kind=BackendImplKind.REFERENCE,
                fn=torch_linear, priority=45, backend="gemm", qualify=_qualify_torch,
