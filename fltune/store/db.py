@@ -550,28 +550,14 @@ class CalibrationDB:
     def record_route_decisions(self, rows: list[dict]) -> None:
         """Several decisions (one adjudication) in one transaction; a decision for the same
         (device, driver, stack, model, op) replaces the older one."""
-        now = time.time()
-        with self.transaction():
-            for row in rows:
-                self.db["route_decisions"].upsert(
-                    {**row, "evidence": json.dumps(row.get("evidence"), sort_keys=True),
-                     "created_at": row.get("created_at") or now}, pk=ROUTE_DECISION_KEY)
+        self._upsert_with_evidence("route_decisions", rows, ROUTE_DECISION_KEY)
 
     def route_decisions(self, device_key: str, driver: str,
                         model: Optional[str] = None) -> list[dict]:
         """The routing decisions of a device (``evidence`` decoded), of every stack, newest
         last; none in a DB before v4."""
-        if "route_decisions" not in self.db.table_names():
-            return []
-        q = "select * from route_decisions where device_key=? and driver=?"
-        args = [device_key, driver]
-        if model:
-            q += " and model=?"
-            args.append(model)
-        out = list(self.db.query(q + " order by model, op, created_at", args))
-        for r in out:
-            r["evidence"] = json.loads(r["evidence"]) if r["evidence"] else None
-        return out
+        return self._with_evidence("route_decisions", device_key, driver, model,
+                                   "model, op, created_at")
 
     # ---- engine-wide picks (schema 5) --------------------------------------------------
     def record_engine_picks(self, rows: list[dict]) -> None:
@@ -581,25 +567,37 @@ class CalibrationDB:
         if not self.write:
             raise DBError(f"{self.path} was opened for reading; open it with write=True to "
                           f"record engine picks")
-        now = time.time()
-        with self.transaction():
-            for row in rows:
-                self.db["engine_picks"].upsert(
-                    {**row, "evidence": json.dumps(row.get("evidence"), sort_keys=True),
-                     "created_at": row.get("created_at") or now}, pk=ENGINE_PICK_KEY)
+        self._upsert_with_evidence("engine_picks", rows, ENGINE_PICK_KEY)
 
     def engine_picks(self, device_key: str, driver: str,
                      model: Optional[str] = None) -> list[dict]:
         """The engine-wide picks of a device (``evidence`` decoded), by model and choice;
         none in a DB before v5."""
-        if "engine_picks" not in self.db.table_names():
+        return self._with_evidence("engine_picks", device_key, driver, model, "model, choice")
+
+    # ---- the two measured-decision tables share their storage shape --------------------
+    def _upsert_with_evidence(self, table: str, rows: list[dict], pk) -> None:
+        """``rows`` into ``table`` in one transaction, ``evidence`` stored as JSON, a row with
+        the same key replacing the older one."""
+        now = time.time()
+        with self.transaction():
+            for row in rows:
+                self.db[table].upsert(
+                    {**row, "evidence": json.dumps(row.get("evidence"), sort_keys=True),
+                     "created_at": row.get("created_at") or now}, pk=pk)
+
+    def _with_evidence(self, table: str, device_key: str, driver: str,
+                       model: Optional[str], order: str) -> list[dict]:
+        """A device's rows of ``table`` (optionally one model's), ``evidence`` decoded; none
+        when the DB predates the table."""
+        if table not in self.db.table_names():
             return []
-        q = "select * from engine_picks where device_key=? and driver=?"
+        q = f"select * from {table} where device_key=? and driver=?"
         args = [device_key, driver]
         if model:
             q += " and model=?"
             args.append(model)
-        out = list(self.db.query(q + " order by model, choice", args))
+        out = list(self.db.query(q + f" order by {order}", args))
         for r in out:
             r["evidence"] = json.loads(r["evidence"]) if r["evidence"] else None
         return out
