@@ -359,6 +359,19 @@ def _command_line(a) -> str:
     return "fltune " + shlex.join(argv if argv is not None else sys.argv[1:])
 
 
+def _engine_json(a):
+    """``--engine JSON`` as a dict (None when not given), or a usage error naming it."""
+    if not a.engine:
+        return None
+    try:
+        engine = json.loads(a.engine)
+    except ValueError:
+        engine = None
+    if not isinstance(engine, dict):
+        raise UsageError(f"--engine: expected a JSON object, got {a.engine!r}")
+    return engine
+
+
 def _e2e_scenarios(a, dev: str):
     """``--scenarios`` parsed for the device, or None for the device's defaults."""
     from ..evaluate import e2e
@@ -399,13 +412,7 @@ def cmd_bench_e2e(a) -> int:
             if k in x.env and not os.path.isfile(x.env[k]):
                 raise UsageError(f"--arm {x.name}: {x.env[k]} does not exist")
     scenarios = _e2e_scenarios(a, dev) or e2e.default_scenarios(dev)
-    engine = None
-    if a.engine:
-        try:
-            engine = json.loads(a.engine)
-            assert isinstance(engine, dict)
-        except (ValueError, AssertionError):
-            raise UsageError(f"--engine: expected a JSON object, got {a.engine!r}") from None
+    engine = _engine_json(a)
     if a.out and os.path.isfile(a.out):
         raise UsageError(f"--out {a.out}: with --e2e, --out names a directory")
     reps = a.reps or 10
@@ -523,13 +530,7 @@ def cmd_adjudicate_engine(a) -> int:
     if not os.path.isfile(a.db):
         raise UsageError(f"--db {a.db} does not exist: calibrate first "
                          f"(fltune calibrate --model {a.model} --db {a.db})")
-    engine = None
-    if a.engine:
-        try:
-            engine = json.loads(a.engine)
-            assert isinstance(engine, dict)
-        except (ValueError, AssertionError):
-            raise UsageError(f"--engine: expected a JSON object, got {a.engine!r}") from None
+    engine = _engine_json(a)
     scenarios = _e2e_scenarios(a, dev)
     con = _console(a.quiet or a.json)
     command = _command_line(a)
