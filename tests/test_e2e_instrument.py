@@ -319,3 +319,35 @@ def test_core_sets_are_one_shared_set_without_the_first_core():
     assert core_sets(3, [0, 2, 4, 6]) == [{2, 4, 6}] * 3
     assert core_sets(2, range(2)) == []                 # one core would be left
     assert core_sets(1, range(1)) == []
+
+@engine_test
+def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
+    """``engine_process="multiprocess"``: vLLM's default for its users (engine core in its
+    own process); steps are still timed one by one, the two vanilla arms agree on tokens,
+    and asking for the kernel profile with it is refused (the kernels are out of reach)."""
+    sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
+    with pytest.raises(ValueError, match="in-process"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], sc, reps=1, kernel_profile=True,
+                    engine_process="multiprocess", out_dir=str(tmp_path / "refused"))
+    with pytest.raises(ValueError, match="engine_process"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], sc, reps=1,
+                    engine_process="threads", out_dir=str(tmp_path / "refused2"))
+    saved = os.environ.get("VLLM_CACHE_ROOT")
+    os.environ["VLLM_CACHE_ROOT"] = saved or str(tmp_path / "vllm_cache")
+    try:
+        res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
+                          warmup=0, inner=1, out_dir=str(tmp_path / "out"),
+                          engine_process="multiprocess")
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_CACHE_ROOT", None)
+    info = res.arms_info
+    for arm in ("vanilla", "aa"):
+        assert info[arm]["started"], info[arm].get("log_tail")
+        assert "MP" in info[arm]["info"]["engine_core_client"]
+    assert info["aa"]["tokens_equal_baseline"] is True
+    assert any("multiprocess" in n for n in res.engine_notes)
+    assert len(res.samples) == 2 * 2
+    for smp in res.samples:
+        assert len(smp["runs"][0]) >= 5 and 0 < sum(smp["runs"][0]) <= smp["run_s"][0]
+    assert {p["arm"] for p in res.points} == {"aa"}

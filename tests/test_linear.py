@@ -491,3 +491,20 @@ def test_linear_seam_serves_the_tiny_model_with_plugin_off_tokens(tmp_path):
     # method class: marked, though only an LM head's apply is a GEMM)
     assert cnt["layers"]["linear (GEMM)"] == 2 * 4 + 2
     assert cnt.get("rerouted", {}) == {}
+
+
+def test_autotune_declares_its_token_cap():
+    """max-autotune compiles once per (shape, M): above ``AUTOTUNE_MAX_TOKENS`` the candidate
+    declares the call unsupported, so the race leaves it out of those bands (and serving
+    never compiles for a prefill size), while calls at or under the cap are taken."""
+    from fltune.backends import gemm
+
+    impl = next(i for i in gemm.implementations() if i.impl_id == gemm.AUTOTUNE_ID)
+    w = torch.zeros(4, 8)
+    cap = gemm.AUTOTUNE_MAX_TOKENS
+    assert impl.unsupported((torch.zeros(cap, 8), w, None)) is None
+    why = impl.unsupported((torch.zeros(cap + 1, 8), w, None))
+    assert why and "FLTUNE_AUTOTUNE_MAX_TOKENS" in why
+    # the other candidates take any M
+    native = next(i for i in gemm.implementations() if i.impl_id == gemm.NATIVE_ID)
+    assert native.unsupported((torch.zeros(cap + 1, 8), w, None)) is None

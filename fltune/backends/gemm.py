@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import threading
 from typing import Optional
 
@@ -284,6 +285,26 @@ def autotune_linear(x, weight, bias):
     return fn(xp, weight, bias)[:m]
 
 
+#: the largest token count (M) ``autotune.inductor`` takes. Why a cap: max-autotune compiles
+#: and benchmarks Inductor's Triton GEMM templates once per (shape, power-of-two M), seconds
+#: to tens of seconds each, and the win it exists for is at decode sizes: on the H200
+#: (issue 12's first look) it beat cuBLAS at one token (3.9 against 7.0 µs for N=1024,
+#: K=3584) while from 16 tokens up cuBLAS was within 1-3 % of the best candidate tried.
+#: Above the cap the candidate declares the call unsupported (``supports``), so the race
+#: leaves it out of those bands and serving never compiles a graph for a prefill size.
+#: ``FLTUNE_AUTOTUNE_MAX_TOKENS`` moves it (read at import, before any calibration).
+AUTOTUNE_MAX_TOKENS = int(os.environ.get("FLTUNE_AUTOTUNE_MAX_TOKENS", "64"))
+
+
+def _autotune_tokens(args) -> Optional[str]:
+    m = args[0].shape[0] if isinstance(args[0], torch.Tensor) and args[0].dim() else 0
+    if m > AUTOTUNE_MAX_TOKENS:
+        return (f"{m} tokens is above autotune.inductor's cap of {AUTOTUNE_MAX_TOKENS} "
+                f"(FLTUNE_AUTOTUNE_MAX_TOKENS): a max-autotune compile per size is not "
+                f"spent where cuBLAS is within a few percent")
+    return None
+
+
 def _qualify_autotune(ctx):
     if ctx.device_type != "cuda":
         return ("Inductor max-autotune of a GEMM is offered on CUDA only: on CPU it compiles "
@@ -308,5 +329,6 @@ def implementations():
                precision_rank=2, supports=SUPPORTS),
         OpImpl(op_name="linear", impl_id=AUTOTUNE_ID, kind=BackendImplKind.REFERENCE,
                fn=autotune_linear, priority=38, backend="inductor",
-               qualify=_qualify_autotune, precision_rank=2, supports=SUPPORTS),
+               qualify=_qualify_autotune, precision_rank=2,
+               supports=requires(_gemm_args, _autotune_tokens)),
     ]

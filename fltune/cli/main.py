@@ -315,7 +315,7 @@ def cmd_bench(a) -> int:
         except argparse.ArgumentTypeError as e:
             raise UsageError(f"argument --out: {e}") from None
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
-                     ("--engine", a.engine)):
+                     ("--engine", a.engine), ("--engine-process", a.engine_process)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -433,8 +433,12 @@ def cmd_bench_e2e(a) -> int:
     def run():
         return e2e.run_e2e(a.model, arms, scenarios, reps=reps, warmup=warmup,
                            baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
-                           out_dir=a.out, progress=progress, device_type=dev)
+                           out_dir=a.out, progress=progress, device_type=dev,
+                           engine_process=a.engine_process or "in-process")
 
+    if a.kernel_profile and a.engine_process == "multiprocess":
+        raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
+                         "engine runs the kernels outside the arm's profiler")
     res = _interruptible((run, _measured_only("bench --e2e")))
     device = res.device_name
     if device is None:
@@ -812,6 +816,9 @@ def _add_bench(sub) -> None:
     e.add_argument("--engine", help="JSON object of vLLM engine arguments over the defaults")
     e.add_argument("--kernel-profile", action=argparse.BooleanOptionalAction, default=None,
                    help="GPU kernel time per step from torch.profiler (default: on CUDA)")
+    e.add_argument("--engine-process", choices=["in-process", "multiprocess"],
+                   help="each arm's vLLM engine core in the arm's process (default; the kernel "
+                        "profile needs it) or in its own process, as vLLM runs for its users")
     c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
                                             "e2e-raw.json and the worker logs)")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)

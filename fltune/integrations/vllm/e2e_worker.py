@@ -2,9 +2,10 @@
 
     python -m fltune.integrations.vllm.e2e_worker SPEC.json      (started by fltune.evaluate.e2e)
 
-The parent sets this process's environment (the arm's ``FLTUNE_*`` overlay, and
+The parent sets this process's environment (the arm's ``FLTUNE_*`` overlay, and by default
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so engine core and model run here: nothing else runs
-while the arm is idle, and torch.profiler sees its kernels) before Python starts, so vLLM
+while the arm is idle, and torch.profiler sees its kernels; ``=1`` for the multiprocess
+mode, where the steps are timed from this front end) before Python starts, so vLLM
 loads fltune's plugin through its entry point with the arm's settings.
 
 It lives with the vLLM integration, not with ``evaluate/e2e.py`` that drives it: it is a vLLM
@@ -215,6 +216,8 @@ class Worker:
             info["attention_backend"] = str(getattr(getattr(vc, "attention_config", None),
                                                     "backend", None))
             info["enforce_eager"] = vc.model_config.enforce_eager
+            # InprocClient (engine core here) or SyncMPClient (in its own process)
+            info["engine_core_client"] = type(self.llm.llm_engine.engine_core).__name__
         except Exception as e:  # diagnostics only
             info["config_error"] = repr(e)
         try:
