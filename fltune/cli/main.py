@@ -184,6 +184,9 @@ def _group(kw) -> str:
 
 
 def cmd_calibrate(a) -> int:
+    if getattr(a, "ray", None) is not None:
+        return cmd_calibrate_ray(a)
+    _no_ray_options(a)
     from ..store.hints import freeze_command
     from ..tune.calibrate import calibrate
     from ..tune.race import Settings
@@ -572,6 +575,8 @@ def cmd_adjudicate_engine(a) -> int:
 
 
 def cmd_verify(a) -> int:
+    if getattr(a, "ray", None) is not None:
+        return cmd_verify_ray(a)
     from ..evaluate import verify
     from .render import render_verify
 
@@ -671,6 +676,156 @@ def cmd_merge(a) -> int:
     return 0
 
 
+# ---- --ray (tune/ray_calibrate.py): Ray is an optional extra, imported only here --------
+
+def _ray_args(c, calibrate: bool) -> None:
+    """``--ray [ADDRESS]`` (and, for calibrate, ``--ray-actors`` and ``--ray-spread-every``).
+    Ray is imported only when ``--ray`` is given, so without it installed every command
+    works as before and ``--ray`` says how to install it."""
+    g = c.add_argument_group("many GPUs (Ray; pip install 'fltune[ray]')")
+    what = ("one calibrating actor per GPU of the cluster (num_gpus=1; on a cluster without "
+            "GPUs, or with --device cpu, one num_cpus=1 actor per node); GPUs of one device "
+            "key share the work, the DB is written here" if calibrate else
+            "re-time the winners on every node of the cluster (one GPU, or one CPU, each) "
+            "and name the nodes that drifted")
+    g.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help=f"{what}. ADDRESS: none (a local cluster, or RAY_ADDRESS), auto (the "
+                        f"cluster running on this host), HOST:PORT or ray://HOST:PORT")
+    if calibrate:
+        g.add_argument("--ray-actors", type=_int_in(1, 4096),
+                       help="with --ray: how many actors (default: one per GPU; on CPU one "
+                            "per node)")
+        g.add_argument("--ray-spread-every", type=_int_in(0, 1 << 20), default=None,
+                       help="with --ray: every Nth band of each table is raced again on a "
+                            "second GPU of its kind and the spread stored as noise (default "
+                            "4; 0: none)")
+
+
+def _no_ray_options(a) -> None:
+    for flag_, v in (("--ray-actors", getattr(a, "ray_actors", None)),
+                     ("--ray-spread-every", getattr(a, "ray_spread_every", None))):
+        if v is not None:
+            raise UsageError(f"{flag_} belongs to --ray (add --ray [ADDRESS], or leave "
+                             f"{flag_} out)")
+
+
+def cmd_calibrate_ray(a) -> int:
+    """`fltune calibrate --ray [ADDRESS]`: the workload measured by one actor per GPU of a
+    Ray cluster, written here into the one DB (tune/ray_calibrate.py)."""
+    from ..store.hints import freeze_command
+    from ..tune import ray_calibrate as rc
+    from ..tune.race import Settings
+
+    try:
+        rc.import_ray()
+    except rc.RayError as e:
+        raise UsageError(str(e)) from None
+    settings = Settings(parity_floor=a.parity_floor, margin=a.margin, cold_l2=a.cold_l2,
+                        reps=a.reps, budget_s=a.budget)
+    con = _console(a.quiet or a.json)
+    prog = _progress(con, "calibrate --ray", a.quiet or a.json)
+    task = None
+    saved = 0
+
+    def progress(event, **kw):
+        nonlocal task, saved
+        if event == "start":
+            task = prog.add_task(a.model, total=kw["total"])
+            con.print(f"{len(kw['places'])} actors: {', '.join(kw['places'])}")
+        elif event in ("band", "skip"):
+            saved += event == "band"
+            w = kw.get("winner")
+            desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
+                                                     (" (cached)" if event == "skip" else ""))
+            prog.update(task, advance=1, description=desc, group=_group(kw),
+                        group_done=kw.get("last", False))
+
+    def run():
+        with prog:
+            return rc.calibrate_ray(
+                a.model, a.db, address=None if a.ray == "local" else a.ray, device=a.device,
+                actors=a.ray_actors, tp=a.tp, dtype=a.dtype, max_tokens=a.max_tokens,
+                settings=settings, ops=a.ops.split(",") if a.ops else None, force=a.force,
+                isolate=a.isolate, candidate_timeout=a.candidate_timeout,
+                spread_every=rc.SPREAD_EVERY if a.ray_spread_every is None
+                else a.ray_spread_every, progress=progress,
+                warn=lambda line: con.print(line))
+
+    try:
+        res = _interruptible((run, lambda: f"interrupted: {saved} bands saved; rerun the same "
+                                           f"command to resume"))
+    except rc.RayError as e:
+        raise UsageError(str(e)) from None
+    if a.json:
+        print(json.dumps(res.as_dict(), indent=1))
+    else:
+        for g in res.groups:
+            d = g["device"]
+            sp = (f"; GPU-to-GPU spread median {g['spread_median']:.1%}, max "
+                  f"{g['spread_max']:.1%} over {len(g['spread_samples'])} bands"
+                  if g["spread_max"] is not None else "")
+            con.print(f"calibrated {res.model} on {d['name']} [{d['device_key']}] driver "
+                      f"{d['driver']} ({len(g['actors'])} actors: {', '.join(g['actors'])}): "
+                      f"{g['measured']} bands measured, {g['skipped']} already in the DB, "
+                      f"{g['missing']} missing{sp}")
+        con.print(f"{res.wall_s:.1f} s → {res.db_path}")
+        if not res.incomplete:
+            db = shlex.quote(str(res.db_path))
+            con.print(f"next: `fltune report --db {db}` (what won where), then "
+                      f"`{freeze_command(res.db_path)}` (the manifest the vLLM plugin serves)")
+    if res.incomplete:
+        missing = sum(g["missing"] for g in res.groups)
+        con.print(f"incomplete: {missing} bands not measured (every actor of their device "
+                  f"died); rerun the same command to resume")
+        return 1
+    return 0
+
+
+def cmd_verify_ray(a) -> int:
+    """`fltune verify --ray [ADDRESS]`: every node's winners re-timed on that node; names
+    the nodes that drifted (tune/ray_calibrate.py)."""
+    from ..tune import ray_calibrate as rc
+    from .render import render_verify
+
+    if a.device is not None and a.device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {a.device!r}: with --ray, --device is the kind of actor "
+                         f"(cpu or cuda); every node verifies its own device's winners")
+    try:
+        rc.import_ray()
+        doc = _interruptible((lambda: rc.verify_ray(
+            a.db, address=None if a.ray == "local" else a.ray, device=a.device,
+            ops=a.ops.split(",") if a.ops else None, noise_floor=a.noise_floor, reps=a.reps,
+            budget_s=a.budget, isolate=a.isolate, candidate_timeout=a.candidate_timeout),
+            _measured_only("verify --ray")))
+    except rc.RayError as e:
+        raise UsageError(str(e)) from None
+    _write_json(doc, a.out)
+    if a.json:
+        print(json.dumps(doc, indent=1, default=str))
+    else:
+        con = _console(a.quiet)
+        for node in doc["nodes"]:
+            con.print(f"[bold]node {node['node']}[/]: {node['status']}")
+            if node.get("db_device"):
+                render_verify(node, all_bands=a.all)
+            elif node["status"] == "uncalibrated":
+                me = node["device"]
+                con.print(f"  the DB holds no calibration for its device {me['name']} "
+                          f"[{me['device_key']}] driver {me['driver']}; calibrate it with "
+                          f"`fltune calibrate --model MODEL --db {shlex.quote(a.db)} --ray`")
+            elif node["status"] == "failed":
+                con.print(f"  verification failed there: {node.get('error')}")
+        if doc["drifted_nodes"]:
+            con.print(f"[bold red]drifted nodes[/]: {', '.join(doc['drifted_nodes'])}")
+        else:
+            con.print(f"[bold green]no node drifted[/] ({len(doc['nodes'])} nodes, "
+                      f"{doc['checked']} bands re-measured, {doc['wall_s']:.1f} s)")
+        for what in ("uncalibrated_nodes", "failed_nodes", "skipped_nodes"):
+            if doc[what]:
+                con.print(f"{what.replace('_', ' ')}: {', '.join(doc[what])}")
+    return 1 if doc["stale"] else 0
+
+
 def _isolate_args(c, what: str = "race") -> None:
     """``--no-isolate`` and ``--candidate-timeout``: where the races run (see
     ``tune/worker.py``); the same two flags for calibrate, refine, bench and verify."""
@@ -730,6 +885,7 @@ def _add_calibrate(sub) -> None:
                    help="device to calibrate (default: cuda when available, else cpu)")
     c.add_argument("--force", action="store_true", help="re-measure what the DB already has")
     _isolate_args(c)
+    _ray_args(c, calibrate=True)
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_calibrate)
@@ -869,6 +1025,7 @@ def _add_verify(sub) -> None:
                    help="seconds of timing per candidate when adaptive (default 0.05)")
     c.add_argument("--all", action="store_true", help="show every band, not only drifted ones")
     _isolate_args(c, "race")
+    _ray_args(c, calibrate=False)
     c.add_argument("--out", type=_out_arg, help=OUT_HELP)
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)

@@ -48,6 +48,27 @@ class CalibrationResult:
                 "winners": self.winners}
 
 
+def measure_band(pool, manager: OpManager, op: str, dims: dict, signature: str, dtype,
+                 band, *, device: dict, stack_key: str, run_id: int, weight: int,
+                 settings: Settings, machine_noise: Optional[float]):
+    """One band as calibrate stores it: the race (in ``pool``: a supervised worker or this
+    process) over every registered candidate, the verdict settled against its noise
+    (``noise.settle``), and the rows it writes. Returns ``(measurements, winner,
+    undecided)``; nothing is written here, so the caller commits the band in one
+    transaction — calibrate itself, or the Ray driver (``ray_calibrate.py``), whose actors
+    run this same function on their GPUs."""
+    impls = manager.registry.get_implementations(op)
+    verdict = pool.race(op, dims, dtype, band, impls, settings)
+    verdict, undecided, _ = noisemod.settle(
+        verdict, settings.margin, [i.impl_id for i in manager.policy.order(op, impls)])
+    rows, win = rows_for_db(verdict, device=device, stack_key=stack_key, op=op,
+                            signature=signature, dims=dims, dtype=dtype, band=band,
+                            run_id=run_id, weight=weight)
+    if win:
+        win.update(undecided=int(undecided), machine_noise=machine_noise)
+    return rows, win, bool(undecided)
+
+
 def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = None,
               max_tokens: Optional[int] = None, settings: Optional[Settings] = None,
               ops: Optional[list] = None, force: bool = False,
@@ -71,7 +92,6 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     max_tokens = max_tokens_for(settings.device, max_tokens)
     band_list = bands(max_tokens)
     manager = manager or OpManager()
-    registry = manager.registry
     dev = devmod.current(settings.device)
     stack = devmod.stack()
     skey = devmod.stack_key(stack)
@@ -111,16 +131,11 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                 if probed_item is not None:
                     watch.probe(f"before {item.op}")
                 probed_item = item
-            impls = registry.get_implementations(item.op)
-            verdict = pool.race(item.op, dims, dt, band, impls, settings)
-            verdict, undecided, _ = noisemod.settle(
-                verdict, settings.margin, [i.impl_id for i in manager.policy.order(item.op, impls)])
-            rows, win = rows_for_db(verdict, device=dev, stack_key=skey, op=item.op,
-                                    signature=sig, dims=dims, dtype=dt, band=band,
-                                    run_id=run_id, weight=item.calls)
-            if win:
-                win.update(undecided=int(undecided), machine_noise=watch.spread)
-                watch.undecided += undecided
+            rows, win, undecided = measure_band(
+                pool, manager, item.op, dims, sig, dt, band, device=dev, stack_key=skey,
+                run_id=run_id, weight=item.calls, settings=settings,
+                machine_noise=watch.spread)
+            watch.undecided += undecided
             db.record_band(rows, win)
             result.measured += 1
             if win:

@@ -1,0 +1,744 @@
+"""``fltune calibrate --ray`` and ``fltune verify --ray``: calibration across the GPUs and hosts
+of a Ray cluster (Ray is what vLLM itself runs on across hosts), into the one DB.
+
+Why: a fleet has many GPUs of a few kinds. Each *kind* — a device key under one driver and
+one software stack, the key every DB row has — must be measured once, not once per card and
+not by hand per host; and one GPU of a kind measuring a whole model is slow when the others
+sit idle.
+
+**Actors.** One calibrating actor per GPU (``num_gpus=1``: Ray hands each its own card, so
+torch's device 0 is that card and ``device.current()`` describes it). Where the cluster has
+no GPU (or ``--device cpu``), ``num_cpus=1`` actors stand in: the same class, the same
+calls, the same driver — which is what the CPU tests run. Each actor reports its device
+record and stack; actors with the same (device key, driver, stack key) form a **group** that
+shares that kind's work; different groups get their own ``devices`` row, ``runs`` row and
+rows of results, exactly as separate calibrations on each machine would.
+
+**The work unit is one band** of one (op, shape, dtype) table — ``calibrate``'s unit: one
+race (every candidate interleaved on one input size), one verdict settled against its
+noise, one transaction. A band is never split: its candidates must be timed side by side on
+one GPU, or their comparison means nothing. Bands of one table *prefer* the actor that
+started the table, because that actor holds the table's compiled graphs (Inductor, CUDA
+graphs) and its race worker warm; an actor with nothing left takes a whole unstarted table,
+and when none is left it takes over the later half of the busiest peer's remaining bands
+(so the last table does not run on one GPU while the others idle).
+
+**Writes.** Actors never touch the DB (it is one SQLite file on the driver's host; other
+hosts cannot reach it, and SQLite over a network file system is not safe). They run
+``calibrate.measure_band`` — the race in their supervised worker (``worker.py``), the
+noise settlement, the rows — and return plain rows. The driver alone writes them, each
+band in its own ``BEGIN IMMEDIATE`` transaction through ``CalibrationDB.record_band``, and
+asks ``has_band`` before scheduling a band, as ``calibrate`` does: so a killed actor loses
+only its band in flight (the driver gives that band, and the rest of the actor's table, to
+a live actor of the same group), a killed driver loses only the bands in flight, and the
+same command rerun measures exactly what is missing. When every actor of a group has died,
+that group's run is stored ``incomplete`` and the command says to rerun.
+
+**GPU-to-GPU spread.** Two cards of one kind are not identical (clocks, thermals, the
+host's PCIe and NUMA placement). Where a group has two or more live actors, a sample of
+bands (every ``spread_every``-th band of each table, decode and prefill sizes both) is
+raced again on a second card; the relative difference of the winner's median between the
+two cards is stored as noise: folded into ``winners.noise`` (the band's noise, which
+``fltune verify`` takes as its drift threshold: a difference between cards is not drift)
+and kept as a ``noise_probes`` row (phase ``peer-spread …``, beside the machine probes of
+that run), in the same transaction as the band. The sampled band is written once, when
+both cards have measured it (or the second could not). The undecided flag stays the first
+card's judgement; the spread does not re-pick a winner.
+
+**Verify.** ``verify_ray`` starts one actor per node (one GPU of it, or one CPU) pinned to
+the node, ships it the DB's winners for its device key and re-times them with
+``verify.verify_band`` (the same race, the same drift rules); the result names every node
+whose winners drifted, and the nodes whose device the DB does not hold.
+
+Ray is optional (``pip install 'fltune[ray]'``): nothing here imports it at module level,
+and :func:`import_ray` turns its absence into one line naming the way out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+#: the way to install Ray that every error here names
+INSTALL_HINT = "pip install 'fltune[ray]'"
+#: seconds the driver waits for actors to start (import torch, vLLM, discover backends)
+READY_TIMEOUT_S = 900
+#: every n-th band of a table is also raced on a second card of its kind (0: none)
+SPREAD_EVERY = 4
+
+
+class RayError(RuntimeError):
+    """Ray missing, the cluster unreachable or unable to host the actors: one line naming
+    the problem and the way out."""
+
+
+def import_ray():
+    """``ray``, or :class:`RayError` naming how to install it."""
+    try:
+        import ray
+    except ImportError as e:
+        raise RayError(f"--ray needs Ray, which is not installed in this Python ({e}); "
+                       f"install it with `{INSTALL_HINT}`, or leave --ray out to work on this "
+                       f"machine alone") from None
+    return ray
+
+
+def connect(address: Optional[str] = None):
+    """Join (or start) a Ray cluster. ``address``: None or ``"local"`` starts a local one
+    (or joins ``RAY_ADDRESS``), ``"auto"`` joins the one running on this host, else a
+    ``HOST:PORT`` or ``ray://HOST:PORT``. Returns ``(ray, started)``: ``started`` when this
+    call initialised Ray (the caller shuts it down again). An already initialised Ray (a
+    test's, a notebook's) is used as it is."""
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray, False
+    import logging
+    kw = {"include_dashboard": False, "log_to_driver": False,
+          "logging_level": logging.WARNING}
+    try:
+        if address in (None, "", "local"):
+            ray.init(**kw)
+        else:
+            ray.init(address=address, **kw)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"at {address}" if address not in (None, "", "local") else "locally"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RayError(f"cannot start or reach a Ray cluster {where} ({first}); start one with "
+                       f"`ray start --head` and pass its address (--ray HOST:6379, or --ray "
+                       f"auto on a node of it), or use --ray alone for a local cluster") from None
+    return ray, True
+
+
+# ---- the actors ------------------------------------------------------------------------------
+
+class Calibrator:
+    """One calibrating actor: one GPU (or one CPU stand-in), its own supervised race worker
+    and registry, warm across the bands it is given. Plain data in, plain rows out."""
+
+    def __init__(self, device: str, isolate: bool, candidate_timeout: float):
+        from ..dispatch.manager import OpManager
+        from ..store import device as devmod
+        from .worker import racer
+
+        self.device = device
+        self.manager = OpManager()
+        self.pool = racer(isolate, candidate_timeout)
+        self.dev = dict(devmod.current(device))
+        self.stack = devmod.stack()
+        self.skey = devmod.stack_key(self.stack)
+        self.item = None
+        self.spread = None
+
+    def info(self) -> dict:
+        import ray
+        ctx = ray.get_runtime_context()
+        return {"device": self.dev, "stack": self.stack, "stack_key": self.skey,
+                "node_id": ctx.get_node_id(), "host": socket.gethostname(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
+
+    def probe(self, phase: str) -> dict:
+        """The machine probe of ``noise.py`` on this actor's device (stored by the driver)."""
+        from . import noise as noisemod
+        p = noisemod.probe(self.device)
+        self.spread = p.spread
+        return {"phase": phase, **p.row(), "loaded": noisemod.loaded(p)}
+
+    def band(self, job: dict) -> dict:
+        """Measure one band (``calibrate.measure_band``); a probe first when the band starts
+        a new (op, shape, dtype), as ``calibrate`` probes before each workload item."""
+        from ..ops import dtype_from_name
+        from .bands import Band
+        from .calibrate import measure_band
+        from .race import Settings
+
+        probes = []
+        key = (job["op"], job["signature"], job["dtype"])
+        if self.item != key:
+            if self.item is not None:
+                probes.append(self.probe(f"before {job['op']}"))
+            self.item = key
+        rows, win, undecided = measure_band(
+            self.pool, self.manager, job["op"], job["dims"], job["signature"],
+            dtype_from_name(job["dtype"]), Band(job["lo"], job["hi"]), device=self.dev,
+            stack_key=self.skey, run_id=job["run_id"], weight=job["weight"],
+            settings=Settings(**job["settings"]), machine_noise=self.spread)
+        return {"rows": rows, "win": win, "undecided": bool(undecided), "probes": probes,
+                "restarts": self.pool.restarts}
+
+    def verify(self, payload: dict) -> dict:
+        """Re-time the DB's winners for this actor's device (``verify.verify_band``)."""
+        return _verify_here(self.dev, self.device, self.pool, self.manager.registry, payload)
+
+    def close(self) -> bool:
+        self.pool.close()
+        return True
+
+
+def _verify_here(me: dict, device: str, pool, registry, payload: dict) -> dict:
+    from ..evaluate.verify import verify_band
+    from .race import WIN_MARGIN
+
+    t0 = time.perf_counter()
+    rows = [d for d in payload["devices"] if d["device_key"] == me["device_key"]]
+    out = {"device": me, "db_device": None, "notes": [], "bands": [], "counts": {},
+           "stale": False, "stale_bands": 0, "checked": 0}
+    if not rows:
+        out["status"] = "uncalibrated"
+        return out
+    same = [r for r in rows if r["driver"] == me["driver"]]
+    row = same[0] if same else max(rows, key=lambda r: r.get("last_run") or 0)
+    if not same:
+        out["notes"].append(f"driver changed: calibrated with {row['driver']}, running "
+                            f"{me['driver']}")
+    out["db_device"] = row
+    key = f"{row['device_key']}|{row['driver']}"
+    meas = {tuple(m[:5]): m[5] for m in payload["meas"].get(key, [])}
+    margins = {int(k): v for k, v in payload["margins"].items()}
+    for w in payload["winners"].get(key, []):
+        rec = verify_band(w, meas, registry, device, pool=pool,
+                          margin=margins.get(w["run_id"], WIN_MARGIN),
+                          noise_floor=payload["noise_floor"], reps=payload["reps"],
+                          budget_s=payload["budget_s"], graph_calls=payload["graph_calls"],
+                          seed=payload.get("seed", 0))
+        out["bands"].append(rec)
+        out["counts"][rec["status"]] = out["counts"].get(rec["status"], 0) + 1
+    out["checked"] = len(out["bands"])
+    out["stale_bands"] = sum(b["status"] != "ok" for b in out["bands"])
+    out["stale"] = bool(out["stale_bands"])
+    out["status"] = "drifted" if out["stale"] else "ok"
+    out["wall_s"] = round(time.perf_counter() - t0, 3)
+    return out
+
+
+# ---- choosing the actors -----------------------------------------------------------------
+
+def plan(ray, device: Optional[str], actors: Optional[int]) -> tuple[str, int, dict]:
+    """``(device type, number of actors, actor options)`` for this cluster: one actor per
+    GPU (``num_gpus=1``) when it has GPUs, else (or with ``device="cpu"``) one ``num_cpus=1``
+    stand-in per node. ``actors`` caps (GPU) or sets (CPU) the number."""
+    res = ray.cluster_resources()
+    gpus = int(res.get("GPU", 0))
+    cpus = int(res.get("CPU", 0))
+    if device == "cuda" and not gpus:
+        raise RayError(f"--device cuda: the Ray cluster has no GPU (resources: "
+                       f"{_resources(res)}); use --device cpu for CPU actors, or join a "
+                       f"cluster with GPUs")
+    kind = device or ("cuda" if gpus else "cpu")
+    if kind == "cuda":
+        n = gpus if actors is None else actors
+        if n > gpus:
+            raise RayError(f"--ray-actors {n}: the Ray cluster has {gpus} GPU(s), and each "
+                           f"actor takes one; use --ray-actors {gpus} or fewer")
+        return kind, n, {"num_gpus": 1, "num_cpus": 1}
+    nodes = [x for x in ray.nodes() if x.get("Alive")]
+    n = actors if actors is not None else max(1, len(nodes))
+    if n > cpus:
+        raise RayError(f"--ray-actors {n}: the Ray cluster has {cpus} CPU(s), and each CPU "
+                       f"actor takes one; use --ray-actors {max(cpus, 1)} or fewer")
+    return kind, n, {"num_cpus": 1, "num_gpus": 0, "scheduling_strategy": "SPREAD"}
+
+
+def _resources(res: dict) -> str:
+    keep = {k: v for k, v in res.items() if k in ("CPU", "GPU", "memory")}
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(keep.items())) or "none"
+
+
+def _start(ray, cls, n: int, opts: dict, args: tuple, tag: str) -> tuple[list, list[dict]]:
+    """``n`` named actors of ``cls`` (no restarts: a dead actor's band goes to a live one),
+    and their :meth:`Calibrator.info`, or :class:`RayError` when they cannot start."""
+    remote = ray.remote(cls)
+    names = [f"fltune-{tag}-{uuid.uuid4().hex[:8]}-{i}" for i in range(n)]
+    handles = [remote.options(name=names[i], max_restarts=0, max_task_retries=0,
+                              **opts).remote(*args) for i in range(n)]
+    try:
+        infos = ray.get([h.info.remote() for h in handles], timeout=READY_TIMEOUT_S)
+    except Exception as e:
+        for h in handles:
+            ray.kill(h)
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise RayError(f"the Ray actors did not start ({type(e).__name__}: {first}); every "
+                       f"node needs this fltune installed (`{INSTALL_HINT}`) and the "
+                       f"resources asked ({opts.get('num_gpus', 0)} GPU, "
+                       f"{opts.get('num_cpus', 1)} CPU each)") from None
+    for name, inf in zip(names, infos):
+        inf["name"] = name
+    return handles, infos
+
+
+def _stop(ray, handles) -> None:
+    """Close the actors' race workers, then end the actors."""
+    live = []
+    for h in handles:
+        try:
+            live.append(h.close.remote())
+        except Exception:
+            pass
+    try:
+        ray.wait(live, num_returns=len(live), timeout=30)
+    except Exception:
+        pass
+    for h in handles:
+        try:
+            ray.kill(h)
+        except Exception:
+            pass
+
+
+# ---- calibrate -----------------------------------------------------------------------------
+
+@dataclass
+class Group:
+    """The actors of one device key, driver and stack: one ``runs`` row, shared work."""
+    device: dict
+    stack: dict
+    stack_key: str
+    members: list                                   # actor indices
+    run_id: int = 0
+    measured: int = 0
+    skipped: int = 0
+    undecided: int = 0
+    tables: deque = field(default_factory=deque)    # unstarted tables: deques of jobs
+    peers: deque = field(default_factory=deque)     # (primary actor, job) to re-race
+    left: dict = field(default_factory=dict)        # table key -> bands not yet written
+    spreads: list = field(default_factory=list)     # {"op", ..., "spread"} per sample
+    warned: bool = False
+    status: str = "running"
+
+    @property
+    def key(self) -> tuple:
+        return (self.device["device_key"], self.device["driver"], self.stack_key)
+
+    def as_dict(self, infos) -> dict:
+        sp = [s["spread"] for s in self.spreads if s["spread"] is not None]
+        return {"device": {k: self.device[k] for k in ("device_key", "name", "driver")},
+                "stack_key": self.stack_key, "run_id": self.run_id, "status": self.status,
+                "actors": [_where(infos[i]) for i in self.members],
+                "measured": self.measured, "skipped": self.skipped,
+                "undecided": self.undecided, "missing": sum(self.left.values()),
+                "spread_samples": self.spreads,
+                "spread_max": max(sp) if sp else None,
+                "spread_median": sorted(sp)[len(sp) // 2] if sp else None}
+
+
+def _where(info: dict) -> str:
+    g = ",".join(info.get("gpu_ids") or [])
+    return f"{info['host']}" + (f" gpu {g}" if g else f" pid {info['pid']}")
+
+
+@dataclass
+class RayCalibrationResult:
+    db_path: str
+    model: str
+    tp: int
+    dtype: str
+    device_type: str
+    actors: list                  # per actor: where, device key, bands measured, alive
+    groups: list                  # Group.as_dict per device kind
+    wall_s: float = 0.0
+    incomplete: bool = False
+    warnings: list = field(default_factory=list)
+
+    @property
+    def measured(self) -> int:
+        return sum(g["measured"] for g in self.groups)
+
+    @property
+    def skipped(self) -> int:
+        return sum(g["skipped"] for g in self.groups)
+
+    def as_dict(self) -> dict:
+        return {"db": self.db_path, "model": self.model, "tp": self.tp, "dtype": self.dtype,
+                "device_type": self.device_type, "measured": self.measured,
+                "skipped": self.skipped, "incomplete": self.incomplete,
+                "wall_s": round(self.wall_s, 3), "actors": self.actors,
+                "groups": self.groups, "warnings": self.warnings}
+
+
+def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
+                  device: Optional[str] = None, actors: Optional[int] = None, tp: int = 1,
+                  dtype: Optional[str] = None, max_tokens: Optional[int] = None,
+                  settings=None, ops: Optional[list] = None, force: bool = False,
+                  isolate: bool = True, candidate_timeout: float = 120.0,
+                  spread_every: int = SPREAD_EVERY, progress: Optional[Callable] = None,
+                  warn: Optional[Callable[[str], None]] = None) -> RayCalibrationResult:
+    """Calibrate ``model`` on the actors of a Ray cluster into ``db_path`` (see the module
+    docstring). ``settings`` (a ``race.Settings``) gives the race's knobs; its device is set
+    from the actors. ``progress(event, **kw)``: ``start`` (total, actors: their names and
+    places), ``band`` / ``skip`` (op, band, winner, signature, dtype, last, actor) — the
+    events of ``calibrate``'s progress, so the same renderer draws them."""
+    from dataclasses import replace
+
+    from ..store import CalibrationDB
+    from . import noise as noisemod
+    from .bands import bands, max_tokens_for
+    from .race import Settings
+    from .workload import derive
+
+    t0 = time.perf_counter()
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    workload = derive(model, tp=tp, dtype=dtype)      # validates before anything starts
+    if ops:
+        workload.restrict(ops)
+    ray, started = connect(address)
+    handles: list = []
+    db = None
+    groups: list[Group] = []
+    held: dict = {}                 # band key -> (group, primary result, job) awaiting a peer
+    inflight: dict = {}             # ObjectRef -> (actor index, job, is_peer)
+    status = "failed"
+    try:
+        kind, n, opts = plan(ray, device, actors)
+        settings = replace(settings or Settings(), device=kind)
+        max_tokens = max_tokens_for(kind, max_tokens)
+        band_list = bands(max_tokens)
+        handles, infos = _start(ray, Calibrator, n, opts, (kind, isolate, candidate_timeout),
+                                "cal")
+        by_key: dict = {}
+        for i, inf in enumerate(infos):
+            k = (inf["device"]["device_key"], inf["device"]["driver"], inf["stack_key"])
+            if k not in by_key:
+                by_key[k] = Group(inf["device"], inf["stack"], inf["stack_key"], [])
+                groups.append(by_key[k])
+            by_key[k].members.append(i)
+        group_of = {i: g for g in groups for i in g.members}
+        db = CalibrationDB(db_path)
+        recorded = {**settings.recorded(), "max_tokens": max_tokens,
+                    **({"ops": sorted(ops)} if ops else {})}
+        total = 0
+        skips: list = []
+        for g in groups:
+            db.upsert_device(g.device)
+            g.run_id = db.start_run(g.device, workload.model, workload.dtype, tp,
+                                    {**recorded, "ray": {"actors": [_where(infos[i])
+                                                                    for i in g.members]}},
+                                    g.stack, g.stack_key)
+            dk, drv, skey = g.key
+            for item in workload.items:
+                tkey = (item.op, item.signature, item.dtype)
+                table = deque()
+                for idx, band in enumerate(band_list):
+                    if item.max_tokens is not None and band.lo > item.max_tokens:
+                        continue
+                    total += 1
+                    if not force and db.has_band(dk, drv, skey, item.op, item.signature,
+                                                 item.dtype, band.hi):
+                        g.skipped += 1
+                        skips.append({"op": item.op, "band": band, "signature": item.signature,
+                                      "dtype": item.dtype, "last": False})
+                        continue
+                    table.append({"op": item.op, "dims": item.dims_dict,
+                                  "signature": item.signature, "dtype": item.dtype,
+                                  "lo": band.lo, "hi": band.hi, "run_id": g.run_id,
+                                  "weight": item.calls, "settings": settings.as_dict(),
+                                  "sample": bool(spread_every) and idx % spread_every == 0,
+                                  "table": tkey})
+                if table:
+                    g.tables.append(table)
+                    g.left[tkey] = len(table)
+        if progress:
+            progress("start", total=total, actors=[inf["name"] for inf in infos],
+                     places=[_where(inf) for inf in infos])
+            for kw in skips:
+                progress("skip", **kw)
+        alive = set(range(n))
+        own: dict = {i: deque() for i in range(n)}      # the bands of an actor's table
+        busy: set = set()
+        counts = {i: 0 for i in range(n)}
+        loaded_seen: set = set()
+
+        def record_probes(g: Group, i: int, probes: list):
+            for p in probes:
+                db.record_probe({"run_id": g.run_id, "device_key": g.device["device_key"],
+                                 "driver": g.device["driver"], **p})
+                if p.get("loaded") and i not in loaded_seen:
+                    loaded_seen.add(i)
+                    line = (f"{_where(infos[i])}: " + noisemod.warning(
+                        p["loaded"], db_path, workload.model, max_tokens, ops, tp)
+                        .replace("--force", "--force --ray"))
+                    result_warnings.append(line)
+                    warn(line)
+                elif not p.get("loaded"):
+                    loaded_seen.discard(i)
+
+        result_warnings: list = []
+        for i in range(n):
+            # the start probe of every actor, before its first band (calibrate's "start")
+            record_probes(group_of[i], i, [ray.get(handles[i].probe.remote("start"))])
+
+        def next_job(i: int):
+            g = group_of[i]
+            for k, (primary, job) in enumerate(g.peers):
+                if primary != i:
+                    del g.peers[k]
+                    return job, True
+            if own[i]:
+                return own[i].popleft(), False
+            if g.tables:
+                own[i] = g.tables.popleft()
+                return own[i].popleft(), False
+            # steal the later half of the busiest peer's remaining bands
+            donor = max((j for j in g.members if j != i and j in alive), default=None,
+                        key=lambda j: len(own[j]))
+            if donor is not None and len(own[donor]) >= 2:
+                half = len(own[donor]) // 2
+                taken = deque(list(own[donor])[-half:])
+                for _ in range(half):
+                    own[donor].pop()
+                own[i] = taken
+                return own[i].popleft(), False
+            return None, False
+
+        def write(g: Group, res: dict, job: dict, peer: Optional[dict] = None):
+            """One band (and its peer spread, when measured) in one transaction."""
+            win = res["win"]
+            spread_row = None
+            if peer is not None and win is not None:
+                a = win["median_us"]
+                b = next((r["median_us"] for r in peer["rows"]
+                          if r["impl_id"] == win["impl_id"] and r["outcome"] == "timed"
+                          and r["median_us"]), None)
+                spread = abs(a - b) / min(a, b) if a and b else None
+                g.spreads.append({"op": job["op"], "signature": job["signature"],
+                                  "dtype": job["dtype"], "band_hi": job["hi"],
+                                  "winner": win["impl_id"], "us": a, "peer_us": b,
+                                  "spread": spread})
+                if spread is not None:
+                    win = {**win, "noise": max(win.get("noise") or 0.0, spread)}
+                    timer = next((r["timer"] for r in peer["rows"]
+                                  if r["impl_id"] == win["impl_id"]), None)
+                    n_ = next((r["n"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]),
+                              None)
+                    spread_row = {"run_id": g.run_id, "device_key": g.device["device_key"],
+                                  "driver": g.device["driver"],
+                                  "phase": f"peer-spread {job['op']} [{job['signature']}] "
+                                           f"{job['dtype']} <={job['hi']} {win['impl_id']}",
+                                  "timer": _timer_name(timer), "median_us": b,
+                                  "spread": spread, "n": n_, "loadavg": None,
+                                  "cores": None, "busy_others": None, "loaded": None}
+            with db.transaction():
+                db.record_band(res["rows"], win)
+                if spread_row:
+                    db.record_probe(spread_row)
+            g.measured += 1
+            g.undecided += bool(res["undecided"])
+            g.left[job["table"]] -= 1
+            if progress:
+                from .bands import Band
+                progress("band", op=job["op"], band=Band(job["lo"], job["hi"]), winner=win,
+                         signature=job["signature"], dtype=job["dtype"],
+                         last=g.left[job["table"]] == 0, actor=res.get("actor"))
+
+        def bkey(job):
+            return (job["op"], job["signature"], job["dtype"], job["hi"])
+
+        failure = None
+        while True:
+            if failure is None:
+                for i in sorted(alive - busy):
+                    job, is_peer = next_job(i)
+                    if job is None:
+                        continue
+                    ref = handles[i].band.remote(job)
+                    inflight[ref] = (i, job, is_peer)
+                    busy.add(i)
+            if not inflight:
+                break
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            for ref in ready:
+                i, job, is_peer = inflight.pop(ref)
+                busy.discard(i)
+                g = group_of[i]
+                try:
+                    res = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    alive.discard(i)
+                    why = str(e).strip().splitlines()[0] if str(e).strip() else "died"
+                    warn(f"warning: actor {_where(infos[i])} died ({why[:200]}); its bands go "
+                         f"to the live actors of its kind")
+                    if is_peer:
+                        write(*held.pop(bkey(job)))
+                    else:
+                        own[i].appendleft(job)          # the band in flight, then the rest
+                        if own[i]:
+                            g.tables.appendleft(own[i])
+                        own[i] = deque()
+                        # a sample waiting for this actor as its primary is still waiting
+                        # for a peer; nothing to do
+                    continue
+                except ray.exceptions.RayTaskError as e:
+                    failure = failure or (f"measuring {job['op']} [{job['signature']}] band "
+                                          f"<= {job['hi']} on {_where(infos[i])} failed: "
+                                          f"{str(e).strip().splitlines()[-1][:400]}")
+                    if is_peer:
+                        write(*held.pop(bkey(job)))
+                    continue
+                res["actor"] = _where(infos[i])
+                counts[i] += 1
+                record_probes(g, i, res.get("probes") or [])
+                if is_peer:
+                    write(*held.pop(bkey(job)), peer=res)
+                elif job["sample"] and len([j for j in g.members if j in alive]) > 1 \
+                        and res["win"] is not None:
+                    held[bkey(job)] = (g, res, job)
+                    g.peers.append((i, job))
+                else:
+                    write(g, res, job)
+            # a sample whose only possible peer died waits no longer
+            for g in groups:
+                live = [j for j in g.members if j in alive]
+                for primary, job in list(g.peers):
+                    if not any(j != primary for j in live):
+                        g.peers.remove((primary, job))
+                        write(*held.pop(bkey(job)))
+        for i in sorted(alive):
+            try:
+                record_probes(group_of[i], i, [ray.get(handles[i].probe.remote("end"))])
+            except ray.exceptions.RayError:
+                alive.discard(i)
+        if failure:
+            raise RayError(failure + "; every band finished before it is saved: rerun the "
+                                     "same command to resume")
+        for g in groups:
+            g.status = "done" if not sum(g.left.values()) else "incomplete"
+        status = "done"
+    except KeyboardInterrupt:
+        status = "interrupted"
+        raise
+    finally:
+        if db is not None:
+            for held_band in list(held.values()):   # finished primaries: never lost
+                write(*held_band)
+            for g in groups:
+                if g.run_id:
+                    st = g.status if status == "done" else status
+                    g.status = st
+                    db.finish_run(g.run_id, st)
+            db.close()
+        if handles:
+            _stop(ray, handles)
+        if started:
+            ray.shutdown()
+    res = RayCalibrationResult(
+        str(db_path), workload.model, tp, workload.dtype, kind,
+        [{"actor": _where(inf), "name": inf["name"], "device_key": inf["device"]["device_key"],
+          "bands": counts[i], "alive": i in alive} for i, inf in enumerate(infos)],
+        [g.as_dict(infos) for g in groups], warnings=result_warnings)
+    res.incomplete = any(g["status"] != "done" for g in res.groups)
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def _timer_name(timer) -> Optional[str]:
+    if not timer:
+        return None
+    try:
+        return json.loads(timer).get("timer")
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+# ---- verify ------------------------------------------------------------------------------
+
+def verify_ray(db_path: str, *, address: Optional[str] = None, device: Optional[str] = None,
+               ops: Optional[list] = None, noise_floor: float = 0.10, reps: int = 0,
+               budget_s: float = 0.05, graph_calls: int = 20, isolate: bool = True,
+               candidate_timeout: float = 120.0, seed: int = 0) -> dict:
+    """Re-time every node's winners: one actor pinned to each live node (one of its GPUs;
+    CPU nodes with ``device="cpu"`` or on a cluster without GPUs), each racing the winners
+    the DB holds for its own device key against their runner-ups (``verify.verify_band``).
+    Returns a document with one ``fltune.verify/1``-shaped entry per node and the names of
+    the nodes that drifted (``drifted_nodes``) or whose device the DB does not hold
+    (``uncalibrated_nodes``)."""
+    from ..store import CalibrationDB
+    from ..store.hints import calibrate_command
+
+    t0 = time.perf_counter()
+    db = CalibrationDB(db_path, create=False)
+    try:
+        devices = db.devices()
+        winners, meas = {}, {}
+        for d in devices:
+            key = f"{d['device_key']}|{d['driver']}"
+            ws = db.winners(d["device_key"], d["driver"])
+            winners[key] = [w for w in ws if not ops or w["op"] in ops]
+            meas[key] = [[m["op"], m["signature"], m["dtype"], m["band_hi"], m["impl_id"],
+                          {"timer": m["timer"]}]
+                         for m in db.measurements(d["device_key"], d["driver"])
+                         if m.get("timer")]
+        runs = {r["id"]: r for r in db.runs()}
+    finally:
+        db.close()
+    margins = {}
+    for rid, r in runs.items():
+        try:
+            m = json.loads(r.get("settings") or "{}").get("margin")
+        except ValueError:
+            m = None
+        if m is not None:
+            margins[str(rid)] = m
+    payload = {"devices": devices, "winners": winners, "meas": meas, "margins": margins,
+               "noise_floor": noise_floor, "reps": reps, "budget_s": budget_s,
+               "graph_calls": graph_calls, "seed": seed}
+    ray, started = connect(address)
+    handles = []
+    try:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        res = ray.cluster_resources()
+        kind = device or ("cuda" if res.get("GPU") else "cpu")
+        if kind == "cuda" and not res.get("GPU"):
+            raise RayError(f"--device cuda: the Ray cluster has no GPU (resources: "
+                           f"{_resources(res)}); use --device cpu")
+        nodes = [x for x in ray.nodes() if x.get("Alive")]
+        need = "GPU" if kind == "cuda" else "CPU"
+        usable = [x for x in nodes if x.get("Resources", {}).get(need, 0) >= 1]
+        skipped = [x.get("NodeManagerHostname") or x.get("NodeManagerAddress")
+                   for x in nodes if x not in usable]
+        remote = ray.remote(Calibrator)
+        for x in usable:
+            opts = {"num_gpus": 1, "num_cpus": 1} if kind == "cuda" else {"num_cpus": 1}
+            handles.append(remote.options(
+                max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    x["NodeID"], soft=False), **opts).remote(kind, isolate, candidate_timeout))
+        refs = [h.verify.remote(payload) for h in handles]
+        infos = [h.info.remote() for h in handles]
+        out_nodes = []
+        for x, ref, iref in zip(usable, refs, infos):
+            name = x.get("NodeManagerHostname") or x.get("NodeManagerAddress")
+            try:
+                doc = ray.get(ref)
+                inf = ray.get(iref)
+                name = f"{inf['host']} ({x.get('NodeManagerAddress')})"
+            except ray.exceptions.RayError as e:
+                doc = {"status": "failed", "error": str(e).strip().splitlines()[-1][:400],
+                       "bands": [], "counts": {}, "stale": False, "checked": 0,
+                       "stale_bands": 0, "notes": [], "device": None, "db_device": None}
+            doc.update({"node": name, "node_id": x["NodeID"], "db": str(db_path),
+                        "noise_floor": noise_floor, "format": "fltune.verify/1"})
+            doc.setdefault("wall_s", 0.0)
+            if doc.get("db_device"):
+                rid = next((w["run_id"] for w in winners.get(
+                    f"{doc['db_device']['device_key']}|{doc['db_device']['driver']}", [])
+                    if w["run_id"] in runs), None)
+                doc["recalibrate"] = [calibrate_command(db_path, runs[rid], force=True)
+                                      + " --ray"] if rid else []
+            out_nodes.append(doc)
+    finally:
+        if handles:
+            _stop(ray, handles)
+        if started:
+            ray.shutdown()
+    drifted = [d["node"] for d in out_nodes if d["status"] == "drifted"]
+    return {"format": "fltune.verify-ray/1", "db": str(db_path), "device_type": kind,
+            "nodes": out_nodes, "drifted_nodes": drifted,
+            "uncalibrated_nodes": [d["node"] for d in out_nodes
+                                   if d["status"] == "uncalibrated"],
+            "failed_nodes": [d["node"] for d in out_nodes if d["status"] == "failed"],
+            "skipped_nodes": skipped, "stale": bool(drifted),
+            "checked": sum(d["checked"] for d in out_nodes),
+            "wall_s": round(time.perf_counter() - t0, 3)}
