@@ -1,0 +1,238 @@
+"""``fltune calibrate --ray`` / ``fltune verify --ray`` on a real local Ray cluster (two CPUs, so
+two ``num_cpus=1`` actors stand in for two GPUs of one device key: the same code path as on
+GPUs) and real SQLite files: the split calibration writes exactly the bands a single-process
+calibration writes; killed actors lose nothing already written and the rerun completes; a
+drifted winner names its node; without Ray installed, ``--ray`` says how to get it and every
+other command works.
+
+Kept small (the tiny model, two ops, bands 1/2/4, 3 ms of timing per candidate, races in
+process): the point is the distribution, not the timings."""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from fltune.tune.calibrate import calibrate
+from fltune.tune.race import Settings
+
+from conftest import child_env, copy_db
+
+if os.environ.get("CI"):
+    import ray      # CI installs it (scripts/setup.sh): a missing install must fail there
+else:
+    ray = pytest.importorskip("ray", reason="pip install 'fltune[ray]'")
+
+from fltune.tune import ray_calibrate as rc  # noqa: E402
+
+MODEL = "tiny-qwen3"
+OPS = ["rms_norm", "silu_and_mul"]      # 3 rms_norm shapes + 1 silu_and_mul: 4 tables
+MAX_TOKENS = 4                          # bands 1, 2, 4
+N_BANDS = 4 * 3
+FAST = Settings(budget_s=0.003)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local cluster of two CPUs on the loopback address, shared by this module."""
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False,
+             object_store_memory=80 * 2**20, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+def run_ray(db, **kw):
+    kw = {"actors": 2, "max_tokens": MAX_TOKENS, "ops": OPS, "settings": FAST,
+          "isolate": False, "warn": lambda line: None, **kw}
+    return rc.calibrate_ray(MODEL, str(db), **kw)
+
+
+def bands_of(db) -> set:
+    con = sqlite3.connect(db)
+    try:
+        return set(con.execute("select op, signature, dtype, band_lo, band_hi from winners"))
+    finally:
+        con.close()
+
+
+def candidates_of(db) -> set:
+    con = sqlite3.connect(db)
+    try:
+        return set(con.execute("select op, signature, dtype, band_hi, impl_id from "
+                               "measurements"))
+    finally:
+        con.close()
+
+
+@pytest.fixture(scope="module")
+def single_db(tmp_path_factory):
+    db = tmp_path_factory.mktemp("single") / "single.db"
+    res = calibrate(MODEL, str(db), max_tokens=MAX_TOKENS, ops=OPS, settings=FAST,
+                    isolate=False, warn=lambda line: None)
+    assert res.measured == N_BANDS
+    return db
+
+
+@pytest.fixture(scope="module")
+def split(cluster, tmp_path_factory):
+    db = tmp_path_factory.mktemp("ray") / "ray.db"
+    return db, run_ray(db, spread_every=2)
+
+
+def test_two_actors_write_the_bands_of_a_single_process_calibration(single_db, split):
+    db, res = split
+    assert not res.incomplete and res.measured == N_BANDS and res.skipped == 0
+    # band for band: the same tables, bands and candidates as one process measures
+    assert bands_of(db) == bands_of(single_db) and len(bands_of(db)) == N_BANDS
+    assert candidates_of(db) == candidates_of(single_db)
+    # the work was shared: both actors measured, one device key, one run, written once
+    assert [a["bands"] > 0 for a in res.actors] == [True, True]
+    assert len(res.groups) == 1 and res.groups[0]["measured"] == N_BANDS
+    con = sqlite3.connect(db)
+    assert con.execute("select count(*) from winners").fetchone()[0] == N_BANDS
+    single = sqlite3.connect(single_db)
+    assert {r[0] for r in con.execute("select device_key from winners")} == \
+        {r[0] for r in single.execute("select device_key from winners")}
+    runs = con.execute("select status, settings from runs").fetchall()
+    assert len(runs) == 1 and runs[0][0] == "done"
+    assert len(json.loads(runs[0][1])["ray"]["actors"]) == 2
+    assert con.execute("pragma integrity_check").fetchone()[0] == "ok"
+
+
+def test_sampled_bands_store_their_spread_between_two_actors_as_noise(split):
+    db, res = split
+    samples = res.groups[0]["spread_samples"]
+    # every 2nd band of each table (bands 1 and 4 of 4 tables), raced on the other actor
+    assert len(samples) == 8 and {s["band_hi"] for s in samples} == {1, 4}
+    con = sqlite3.connect(db)
+    rows = con.execute("select phase, spread, median_us from noise_probes where phase like "
+                       "'peer-spread %'").fetchall()
+    assert len(rows) == sum(s["spread"] is not None for s in samples) > 0
+    for s in samples:
+        if s["spread"] is None:
+            continue
+        noise, = con.execute("select noise from winners where op=? and signature=? and "
+                             "dtype=? and band_hi=?", [s["op"], s["signature"], s["dtype"],
+                                                       s["band_hi"]]).fetchone()
+        assert noise >= s["spread"] - 1e-12
+        # the spread is the two actors' difference for the winner, relative to the faster
+        assert s["spread"] == pytest.approx(abs(s["us"] - s["peer_us"]) /
+                                            min(s["us"], s["peer_us"]))
+
+
+def test_killed_actors_lose_nothing_written_and_the_rerun_completes(cluster, tmp_path):
+    db = tmp_path / "killed.db"
+    seen, names = [], []
+
+    def progress(event, **kw):
+        if event == "start":
+            names.extend(kw["actors"])
+        elif event == "band":
+            seen.append(kw["actor"])
+            if len(seen) == 1:
+                ray.kill(ray.get_actor(names[0]))      # one GPU lost: the other goes on
+            elif len(seen) == 6:
+                ray.kill(ray.get_actor(names[1]))      # the last one lost: run incomplete
+
+    res = run_ray(db, spread_every=0, progress=progress)
+    assert res.incomplete
+    assert [a["alive"] for a in res.actors] == [False, False]
+    done = bands_of(db)
+    assert len(done) == res.measured == len(seen) and 0 < res.measured < N_BANDS
+    assert res.groups[0]["missing"] == N_BANDS - res.measured
+    # between the two kills the survivor took over the dead actor's work (the killed one
+    # may still hand in the one band it had finished when it was killed)
+    survivor, killed = res.actors[1]["actor"], res.actors[0]["actor"]
+    assert seen[1:].count(killed) <= 1
+    assert seen[1:].count(survivor) >= len(seen) - 2
+    con = sqlite3.connect(db)
+    assert con.execute("select status from runs").fetchall() == [("incomplete",)]
+    con.close()
+
+    again = run_ray(db, spread_every=0)
+    assert not again.incomplete
+    assert again.skipped == res.measured and again.measured == N_BANDS - res.measured
+    assert done <= bands_of(db) and len(bands_of(db)) == N_BANDS
+    con = sqlite3.connect(db)
+    assert con.execute("select count(*) from winners").fetchone()[0] == N_BANDS
+    assert [r[0] for r in con.execute("select status from runs order by id")] == \
+        ["incomplete", "done"]
+
+
+def test_verify_ray_names_the_node_whose_winner_drifted(split, tmp_path):
+    db, _ = split
+    tampered = tmp_path / "tampered.db"
+    con = copy_db(db, tampered)
+    # one winner stored 1000x faster than it runs: that band, and so this node, drifted
+    con.execute("update winners set median_us = median_us / 1000 where op='silu_and_mul' "
+                "and band_hi=2")
+    con.commit()
+    con.close()
+    doc = rc.verify_ray(str(tampered), noise_floor=10.0, budget_s=0.003, isolate=False)
+    assert len(doc["nodes"]) == 1
+    node = doc["nodes"][0]
+    assert doc["drifted_nodes"] == [node["node"]] and doc["stale"]
+    assert node["checked"] == N_BANDS
+    bad = [b for b in node["bands"] if b["status"] != "ok"]
+    assert [(b["op"], b["band_hi"], b["status"]) for b in bad] == [("silu_and_mul", 2, "moved")]
+
+
+def test_cli_calibrate_and_verify_with_ray(cluster, tmp_path, capsys):
+    """The CLI's --ray path, in process on the module's cluster (connect() reuses it)."""
+    from fltune.cli.main import main
+
+    db = str(tmp_path / "cli.db")
+    rc_ = main(["calibrate", "--model", MODEL, "--db", db, "--ops", "silu_and_mul",
+                "--max-tokens", "2", "--budget", "0.003", "--no-isolate", "--ray",
+                "--ray-actors", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc_ == 0 and out["measured"] == 2 and out["device_type"] == "cpu"
+    assert len(bands_of(db)) == 2
+    rc_ = main(["verify", "--db", db, "--ray", "--no-isolate", "--budget", "0.003",
+                "--noise-floor", "10", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc_ == 0 and doc["drifted_nodes"] == [] and doc["checked"] == 2
+    # a GPU-only request on a cluster without GPUs: one line, exit 2, nothing written
+    rc_ = main(["calibrate", "--model", MODEL, "--db", str(tmp_path / "none.db"), "--ray",
+                "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc_ == 2 and "no GPU" in err and "--device cpu" in err
+    assert not os.path.exists(tmp_path / "none.db")
+
+
+HIDE_RAY = "import sys; sys.modules['ray'] = None\n"
+
+
+def test_without_ray_every_command_works_and_ray_says_how_to_install(single_db, tmp_path):
+    """Ray hidden in a fresh interpreter (``import ray`` raises ImportError there, as when it
+    is not installed): --ray is one line naming ``pip install 'fltune[ray]'``, touching no
+    file; the same commands without --ray work."""
+    before = single_db.read_bytes()
+    code = HIDE_RAY + """
+import json
+from fltune.cli.main import main
+import fltune.tune.ray_calibrate            # importable without ray
+db, new = sys.argv[1], sys.argv[2]
+out = {
+  "cal": main(["calibrate", "--model", "tiny-qwen3", "--db", new, "--ray"]),
+  "verify": main(["verify", "--db", db, "--ray"]),
+  "actors": main(["calibrate", "--model", "tiny-qwen3", "--db", new, "--ray-actors", "2"]),
+  "devices": main(["devices", "--db", db, "--json"]),
+}
+print("RESULT " + json.dumps(out))
+"""
+    new = tmp_path / "new.db"
+    p = subprocess.run([sys.executable, "-c", code, str(single_db), str(new)],
+                       capture_output=True, text=True, timeout=300, env=child_env())
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))
+    got = json.loads(line[len("RESULT "):])
+    assert got == {"cal": 2, "verify": 2, "actors": 2, "devices": 0}, p.stderr
+    errs = [x for x in p.stderr.splitlines() if x.startswith("fltune: error:")]
+    assert len(errs) == 3
+    assert all("pip install 'fltune[ray]'" in e and "leave --ray out" in e for e in errs[:2])
+    assert "--ray-actors belongs to --ray" in errs[2]
+    assert not new.exists() and single_db.read_bytes() == before
