@@ -27,6 +27,7 @@ if os.environ.get("CI"):
 else:
     ray = pytest.importorskip("ray", reason="pip install 'fltune[ray]'")
 
+from fltune.evaluate.ray_verify import verify_ray  # noqa: E402
 from fltune.tune import ray_calibrate as rc  # noqa: E402
 
 MODEL = "tiny-qwen3"
@@ -172,7 +173,7 @@ def test_verify_ray_names_the_node_whose_winner_drifted(split, tmp_path):
                 "and band_hi=2")
     con.commit()
     con.close()
-    doc = rc.verify_ray(str(tampered), noise_floor=10.0, budget_s=0.003, isolate=False)
+    doc = verify_ray(str(tampered), noise_floor=10.0, budget_s=0.003, isolate=False)
     assert len(doc["nodes"]) == 1
     node = doc["nodes"][0]
     assert doc["drifted_nodes"] == [node["node"]] and doc["stale"]
@@ -216,6 +217,7 @@ def test_without_ray_every_command_works_and_ray_says_how_to_install(single_db, 
 import json
 from fltune.cli.main import main
 import fltune.tune.ray_calibrate            # importable without ray
+import fltune.evaluate.ray_verify
 db, new = sys.argv[1], sys.argv[2]
 out = {
   "cal": main(["calibrate", "--model", "tiny-qwen3", "--db", new, "--ray"]),

@@ -784,6 +784,7 @@ def cmd_calibrate_ray(a) -> int:
 def cmd_verify_ray(a) -> int:
     """`fltune verify --ray [ADDRESS]`: every node's winners re-timed on that node; names
     the nodes that drifted (tune/ray_calibrate.py)."""
+    from ..evaluate import ray_verify
     from ..tune import ray_calibrate as rc
     from .render import render_verify
 
@@ -792,7 +793,7 @@ def cmd_verify_ray(a) -> int:
                          f"(cpu or cuda); every node verifies its own device's winners")
     try:
         rc.import_ray()
-        doc = _interruptible((lambda: rc.verify_ray(
+        doc = _interruptible((lambda: ray_verify.verify_ray(
             a.db, address=None if a.ray == "local" else a.ray, device=a.device,
             ops=a.ops.split(",") if a.ops else None, noise_floor=a.noise_floor, reps=a.reps,
             budget_s=a.budget, isolate=a.isolate, candidate_timeout=a.candidate_timeout),
