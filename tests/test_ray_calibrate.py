@@ -164,6 +164,53 @@ def test_killed_actors_lose_nothing_written_and_the_rerun_completes(cluster, tmp
         ["incomplete", "done"]
 
 
+def test_killed_driver_loses_nothing_written_and_the_rerun_resumes(cluster, tmp_path):
+    """``fltune calibrate --ray ADDRESS`` in its own process, joined to this module's cluster,
+    SIGKILLed once three bands are in the DB; Ray ends that driver's actors, and the same
+    calibration rerun measures exactly the bands that were not written."""
+    import signal
+    import time
+
+    db = tmp_path / "driver.db"
+    address = ray.get_runtime_context().gcs_address
+    p = subprocess.Popen([sys.executable, "-m", "fltune", "calibrate", "--model", MODEL,
+                          "--db", str(db), "--ops", ",".join(OPS), "--max-tokens",
+                          str(MAX_TOKENS), "--budget", "0.003", "--no-isolate", "--quiet",
+                          "--ray", address, "--ray-actors", "2", "--ray-spread-every", "0"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=child_env())
+    deadline = time.monotonic() + 300
+    written = 0
+    try:
+        while written < 3:
+            assert p.poll() is None, f"the driver ended before it was killed: {p.stderr.read()}"
+            assert time.monotonic() < deadline, "no 3 bands within 300 s"
+            time.sleep(0.2)
+            if db.exists():
+                con = sqlite3.connect(db)
+                try:
+                    written = con.execute("select count(*) from winners").fetchone()[0]
+                except sqlite3.OperationalError:     # the schema is not there yet
+                    written = 0
+                con.close()
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    before = bands_of(db)
+    assert 3 <= len(before) < N_BANDS
+    con = sqlite3.connect(db)
+    assert con.execute("select status from runs").fetchall() == [("running",)]
+    con.close()
+
+    again = run_ray(db, spread_every=0)
+    assert not again.incomplete
+    assert again.skipped == len(before) and again.measured == N_BANDS - len(before)
+    assert before <= bands_of(db) and len(bands_of(db)) == N_BANDS
+    con = sqlite3.connect(db)
+    assert con.execute("select count(*) from winners").fetchone()[0] == N_BANDS
+    assert con.execute("pragma integrity_check").fetchone()[0] == "ok"
+
+
 def test_verify_ray_names_the_node_whose_winner_drifted(split, tmp_path):
     db, _ = split
     tampered = tmp_path / "tampered.db"

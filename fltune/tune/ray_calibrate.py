@@ -340,6 +340,7 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
 
     t0 = time.perf_counter()
     warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    import_ray()                                      # the way out before anything is done
     workload = derive(model, tp=tp, dtype=dtype)      # validates before anything starts
     if ops:
         workload.restrict(ops)
@@ -355,6 +356,8 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
         settings = replace(settings or Settings(), device=kind)
         max_tokens = max_tokens_for(kind, max_tokens)
         band_list = bands(max_tokens)
+        # a DB that cannot be used is refused before any actor starts (minutes on a GPU node)
+        db = CalibrationDB(db_path)
         handles, infos = _start(ray, Calibrator, n, opts, (kind, isolate, candidate_timeout),
                                 "cal")
         by_key: dict = {}
@@ -365,7 +368,6 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                 groups.append(by_key[k])
             by_key[k].members.append(i)
         group_of = {i: g for g in groups for i in g.members}
-        db = CalibrationDB(db_path)
         recorded = {**settings.recorded(), "max_tokens": max_tokens,
                     **({"ops": sorted(ops)} if ops else {})}
         total = 0
