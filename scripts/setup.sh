@@ -13,7 +13,7 @@ T0=$SECONDS
 step() { printf '\n==> [%s/%s, %ss] %s\n' "$1" "$N" "$((SECONDS - T0))" "$2"; }
 fail() { printf '\nsetup.sh: FAILED: %s\n' "$*" >&2; exit 1; }
 trap 'printf "\nsetup.sh: FAILED at line %s (exit %s); the output above says why\n" "$LINENO" "$?" >&2' ERR
-N=5
+N=6
 
 step 1 "checking the interpreter"
 "$PY" - <<'EOF' || fail "fltune needs Python >= 3.10 with pip (python3 -m ensurepip, or your distribution's python3-venv)"
@@ -53,4 +53,9 @@ step 5 "checking the install"
 command -v fltune >/dev/null \
   || fail "the fltune command is not on PATH (pip put it in $("$PY" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'))"
 echo "fltune command: $(command -v fltune)"
+# SGLang cannot share .venv with vLLM (it needs torchvision): its own small venv over .venv,
+# for tests/test_sglang.py (README "Serving with SGLang")
+step 6 "the SGLang test venv (.venv-sglang over this interpreter): scripts/setup_sglang.sh"
+FLTUNE_BASE_PYTHON="$("$PY" -c 'import sys; print(sys.executable)')" ./scripts/setup_sglang.sh \
+  || fail "the SGLang test venv (scripts/setup_sglang.sh; its output is above)"
 printf '\nsetup.sh: done in %ss. Next: fltune calibrate --model Qwen3.5-0.8B && fltune report\n' "$((SECONDS - T0))"
