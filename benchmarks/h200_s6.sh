@@ -6,6 +6,7 @@
 #              report of the linear table.
 #   PHASE=adj  issue 12.1 / 11.3: model-step adjudication of `linear` (one routed arm against
 #              vanilla, kernel profile on), decision into the DB, freeze.
+#   PHASE=seam host cost per call of the linear seam (benchmarks/seam_overhead.py).
 #   PHASE=mp   issue 11.2: A/A of vanilla against vanilla with vLLM's multiprocess engine
 #              (`--engine-process multiprocess`), the engine users run.
 # Knobs: PROFILE (Qwen3.5-0.8B), MAXTOK (8192: the e2e engine's max_num_batched_tokens),
@@ -54,6 +55,12 @@ adj) {
   find "$OUT/adjudicate" -name '*.log' -size +200k -exec gzip {} \;
   el done
 } 2>&1 | tee "$OUT/log" ;;
+seam) {
+  # needs the DB with linear (PHASE=lin's $OUT/h200.db, carried back as SEAMDB when cold)
+  [ -n "$SEAMDB" ] && cp "$SEAMDB" $DB
+  timeout 200 python3 benchmarks/seam_overhead.py --db $DB --out "$OUT/seam_overhead.json"
+  echo "seam rc=$?"
+} 2>&1 | tee "$OUT/log-seam" ;;
 mp) {
   el "A/A multiprocess"
   lscpu > "$OUT/lscpu.txt" 2>&1
