@@ -285,3 +285,16 @@ print("RESULT " + json.dumps(out))
     assert all("pip install 'fltune[ray]'" in e and "leave --ray out" in e for e in errs[:2])
     assert "--ray-actors belongs to --ray" in errs[2]
     assert not new.exists() and single_db.read_bytes() == before
+
+
+def test_an_address_where_no_cluster_answers_is_one_line_not_a_hang(tmp_path):
+    """Ray itself retries such an address for ever; fltune refuses it at once."""
+    db = tmp_path / "x.db"
+    p = subprocess.run([sys.executable, "-m", "fltune", "calibrate", "--model", MODEL, "--db",
+                        str(db), "--ray", "127.0.0.1:1"], capture_output=True, text=True,
+                       timeout=120, env=child_env())
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1].startswith("fltune: error: --ray 127.0.0.1:1: "
+                                                        "nothing answers there")
+    assert "ray start --head" in p.stderr and "Traceback" not in p.stderr
+    assert not db.exists()

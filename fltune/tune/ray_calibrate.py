@@ -43,10 +43,12 @@ two cards is stored as noise: folded into ``winners.noise`` (the band's noise, w
 and kept as a ``noise_probes`` row (phase ``peer-spread …``, beside the machine probes of
 that run), in the same transaction as the band. The sampled band is written once, when
 both cards have measured it (or the second could not). The undecided flag stays the first
-card's judgement; the spread does not re-pick a winner.
+card's judgement; the spread does not re-pick a winner. The cost: the second card compiles
+(or loads from Inductor's cache) the sampled band's table too; ``--ray-spread-every 0`` turns
+the sampling off.
 
-``fltune verify --ray`` (``evaluate/ray_verify.py``) uses :func:`connect` and the same kind
-of actor, one per node.
+``fltune verify --ray`` (``evaluate/ray_verify.py``) joins the cluster with :func:`connect`
+and pins one verifying actor to each node.
 
 Ray is optional (``pip install 'fltune[ray]'``): nothing here imports it at module level,
 and :func:`import_ray` turns its absence into one line naming the way out.
@@ -96,6 +98,9 @@ def connect(address: Optional[str] = None):
     ray = import_ray()
     if ray.is_initialized():
         return ray, False
+    target = address if address not in (None, "", "local") else os.environ.get("RAY_ADDRESS")
+    if target and target != "auto":
+        _reachable(target)
     import logging
     kw = {"include_dashboard": False, "log_to_driver": False,
           "logging_level": logging.WARNING}
@@ -111,6 +116,23 @@ def connect(address: Optional[str] = None):
                        f"`ray start --head` and pass its address (--ray HOST:6379, or --ray "
                        f"auto on a node of it), or use --ray alone for a local cluster") from None
     return ray, True
+
+
+def _reachable(address: str, timeout_s: float = 10.0) -> None:
+    """:class:`RayError` unless something accepts a TCP connection at ``address``
+    (``HOST:PORT`` or ``ray://HOST:PORT``). Why: Ray retries an address where nothing
+    listens for ever (a typo in --ray hangs the command with a log line every 30 s)."""
+    hostport = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RayError(f"--ray {address!r}: expected HOST:PORT (the head's GCS port, 6379 by "
+                       f"default), ray://HOST:PORT, auto, or nothing for a local cluster")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayError(f"--ray {address}: nothing answers there ({e.strerror or e}); start "
+                       f"the cluster with `ray start --head` on its head node and pass the "
+                       f"address it prints, or use --ray alone for a local cluster") from None
 
 
 # ---- the actors ------------------------------------------------------------------------------
@@ -157,7 +179,9 @@ class Calibrator:
 
         probes = []
         key = (job["op"], job["signature"], job["dtype"])
-        if self.item != key:
+        # a second card's re-race of a sampled band (``peer``) is an interruption, not a new
+        # workload item: no probe for it, and none when this actor returns to its own table
+        if not job.get("peer") and self.item != key:
             if self.item is not None:
                 probes.append(self.probe(f"before {job['op']}"))
             self.item = key
@@ -504,7 +528,7 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                     job, is_peer = next_job(i)
                     if job is None:
                         continue
-                    ref = handles[i].band.remote(job)
+                    ref = handles[i].band.remote({**job, "peer": True} if is_peer else job)
                     inflight[ref] = (i, job, is_peer)
                     busy.add(i)
             if not inflight:
