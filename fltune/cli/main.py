@@ -689,8 +689,9 @@ def _ray_args(c, calibrate: bool) -> None:
             "re-time the winners on every node of the cluster (one GPU, or one CPU, each) "
             "and name the nodes that drifted")
     g.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
-                   help=f"{what}. ADDRESS: none (a local cluster, or RAY_ADDRESS), auto (the "
-                        f"cluster running on this host), HOST:PORT or ray://HOST:PORT")
+                   help=f"{what}. ADDRESS: none (RAY_ADDRESS, else the cluster running on this "
+                        f"host, else a new local one), auto (an existing cluster only), "
+                        f"HOST:PORT (the head's GCS port) or ray://HOST:PORT")
     if calibrate:
         g.add_argument("--ray-actors", type=_int_in(1, 4096),
                        help="with --ray: how many actors (default: one per GPU; on CPU one "

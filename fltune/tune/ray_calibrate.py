@@ -90,9 +90,9 @@ def import_ray():
 
 
 def connect(address: Optional[str] = None):
-    """Join (or start) a Ray cluster. ``address``: None or ``"local"`` starts a local one
-    (or joins ``RAY_ADDRESS``), ``"auto"`` joins the one running on this host, else a
-    ``HOST:PORT`` or ``ray://HOST:PORT``. Returns ``(ray, started)``: ``started`` when this
+    """Join (or start) a Ray cluster. ``address``: None or ``"local"`` is Ray's own rule
+    (``RAY_ADDRESS``, else the cluster running on this host, else a new local one),
+    ``"auto"`` an existing cluster only, else ``HOST:PORT`` or ``ray://HOST:PORT``. Returns ``(ray, started)``: ``started`` when this
     call initialised Ray (the caller shuts it down again). An already initialised Ray (a
     test's, a notebook's) is used as it is."""
     ray = import_ray()
