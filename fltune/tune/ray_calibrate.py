@@ -9,7 +9,9 @@ sit idle.
 **Actors.** One calibrating actor per GPU (``num_gpus=1``: Ray hands each its own card, so
 torch's device 0 is that card and ``device.current()`` describes it). Where the cluster has
 no GPU (or ``--device cpu``), ``num_cpus=1`` actors stand in: the same class, the same
-calls, the same driver — which is what the CPU tests run. Each actor reports its device
+calls, the same driver — which is what the CPU tests run. (Ray runs such an actor's torch on
+one thread, ``OMP_NUM_THREADS=1``, so its CPU timings are not those of a whole-machine
+``fltune calibrate``: CPU actors exercise the distribution, GPU actors are the point.) Each actor reports its device
 record and stack; actors with the same (device key, driver, stack key) form a **group** that
 shares that kind's work; different groups get their own ``devices`` row, ``runs`` row and
 rows of results, exactly as separate calibrations on each machine would.
