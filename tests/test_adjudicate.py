@@ -278,3 +278,28 @@ def test_timing_interleaves_and_reports_stats():
         assert t.n == 6 and t.p10_us <= t.median_us <= t.p90_us
         assert t.timer == {"timer": "cpu-perf_counter", "reps": 6,
                            "threads": torch.get_num_threads()}
+
+
+def test_bands_above_the_graph_limit_are_timed_eagerly(monkeypatch):
+    """vLLM replays CUDA graphs only up to its largest capture size; above it a call's host
+    launch cost is part of its cost, so the race times those bands eagerly, back to back
+    (``timing``'s "eager-back-to-back"), and the bands under it by graph replay. The timer
+    is stubbed to record what the race asked of it (no GPU here); the race itself is real."""
+    from fltune.tune import race as race_mod
+
+    asked = []
+
+    def fake(calls, device, **kw):
+        asked.append(kw)
+        return {n: Timing(1.0, 1.0, 1.0, 5, {"timer": "stub"}) for n in calls}
+
+    monkeypatch.setattr(race_mod.timing, "time_candidates", fake)
+    impls = [_ref_impl()]
+    for band, eager in ((Band(257, 512), False), (Band(513, 1024), True)):
+        adjudicate("silu_and_mul", DIMS, torch.bfloat16, band, impls,
+                   Settings(device="cpu", reps=3, graph_limit=512))
+        assert asked[-1]["eager"] is eager and asked[-1]["cold_l2"] is False
+    # cold-L2 timing, when asked for, takes the prefill bands instead
+    adjudicate("silu_and_mul", DIMS, torch.bfloat16, Band(513, 1024), impls,
+               Settings(device="cpu", reps=3, cold_l2=True))
+    assert asked[-1]["cold_l2"] is True and asked[-1]["eager"] is False

@@ -139,10 +139,14 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
         except KeyError:
             rec["reasons"].append(f"{role} {impl_id} is not registered now")
     timer = _stored_timer(meas, w)
-    if timer.get("timer") == "cuda-graph" and timer.get("calls_per_graph"):
+    if timer.get("timer") in ("cuda-graph", "eager-back-to-back") and timer.get("calls_per_graph"):
         graph_calls = int(timer["calls_per_graph"])
+    # re-time the way the band was timed: a band a calibration timed by graph replay (one
+    # made before bands above the capture sizes were timed eagerly) is replayed again
+    mode = timer.get("timer")
+    limit = {"eager-back-to-back": hi - 1, "cuda-graph": hi}.get(mode, Settings.graph_limit)
     settings = Settings(device=dev, reps=reps, budget_s=budget_s, graph_calls=graph_calls,
-                        cold_l2=bool(timer.get("cold_l2")), seed=seed)
+                        cold_l2=bool(timer.get("cold_l2")), graph_limit=limit, seed=seed)
     got = {}
     if impls:
         pool = pool or racer(False)

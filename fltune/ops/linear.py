@@ -1,5 +1,5 @@
 """``linear``: an unquantized GEMM ``y = x @ weight.T (+ bias)``, vLLM's
-``UnquantizedLinearMethod.apply`` / ``UnquantizedEmbeddingMethod.apply`` (the LM head).
+``UnquantizedLinearMethod.apply`` (not the LM head: ``tune/workload.py`` says why).
 
 - ``linear(x, weight, bias) -> y``: ``x`` is ``[M, K]`` (M = tokens; may be a strided view:
   padded rows, a column slice of a wider buffer), ``weight`` is ``[N, K]`` (a layer's
@@ -99,7 +99,7 @@ LINEAR = OpSpec(
     layouts=(padded_rows(0), column_slice(0)),
     tolerance=tolerance,
     # frozen tables keyed by (dtype, K, N, bias): x's [M, K] alone would let every layer of
-    # one K (qkv, gate_up, lm_head, ...) share a table
+    # one K (qkv, gate_up, ...) share a table
     key_extra=lambda args: (int(args[1].shape[0]), int(args[2] is not None)),
     doc="unquantized GEMM: x @ W.T (+ b), fp32 accumulation")
 

@@ -44,6 +44,10 @@ class Settings:
     reps: int = 0                  # 0 = adaptive
     budget_s: float = 0.05         # per candidate, when adaptive
     graph_calls: int = 20
+    #: bands above this many tokens are timed eagerly, back to back (``timing``): vLLM's
+    #: largest CUDA-graph capture size by default (``bands.DECODE_LIMIT``); above it vLLM
+    #: runs without a graph and a candidate's host launch cost is part of its cost
+    graph_limit: int = 512
     seed: int = 0
     # also time candidates that fail parity (outcome stays parity_failed, with a timing):
     # bench shows what the fixed FL order would run, and FL checks no parity
@@ -168,9 +172,11 @@ def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
         own = clone_args(args)
         calls[o.impl.impl_id] = (lambda fn=o.impl.fn, a=own: fn(*a))
     cold = settings.cold_l2 and band.tokens > 512
+    eager = not cold and band.tokens > settings.graph_limit
     times = timing.time_candidates(calls, settings.device, reps=settings.reps,
                                    budget_s=settings.budget_s,
                                    graph_calls=settings.graph_calls, cold_l2=cold,
+                                   eager=eager,
                                    progress=progress) if calls else {}
     timed = []
     for o in passing:

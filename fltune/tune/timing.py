@@ -5,6 +5,14 @@ replayed R times, each replay timed with CUDA events; the per-call time is the r
 time / K. This is how vLLM runs decode batches, and it removes the host launch cost that
 would otherwise dominate small bands (the H200 probe: 12-90 us eager vs 1.5-3 us replayed).
 A candidate that cannot be captured is timed eagerly and the timer says so.
+CUDA eager back-to-back (``eager=True``, for bands above vLLM's CUDA-graph capture sizes):
+K eager calls launched back to back, timed with events around the K; the per-call time is
+max(host launch cost, GPU time), what a call costs where vLLM runs without a graph (prefill
+chunks above the largest capture size, the LM head). Why: on the H200 (session 6) FlagGems'
+GEMM took 14 µs of GPU time at 2048 tokens but 80 µs of host time per call, cuBLAS 12 µs
+of host time; Qwen3.5-0.8B's prefill of 2048 tokens spent 35 ms of wall on 7.8 ms of
+kernels, so there a call's host cost is its cost, and a graph-replay race had picked the
+candidate that made the model 23 % slower.
 CUDA cold-L2 (``cold_l2=True``, for prefill bands): eager calls, each after overwriting a
 buffer larger than L2, timed with events around the call alone.
 CPU: ``time.perf_counter`` around each call.
@@ -46,7 +54,8 @@ def _stats(samples_us, timer) -> Timing:
 
 
 def time_candidates(calls: dict, device: str, *, reps: int = 0, budget_s: float = 0.05,
-                    graph_calls: int = 20, cold_l2: bool = False, progress=None) -> dict:
+                    graph_calls: int = 20, cold_l2: bool = False, eager: bool = False,
+                    progress=None) -> dict:
     """Time each ``calls[name]()`` (a no-argument closure over its own cloned inputs).
 
     Returns {name: Timing}; a candidate that raises during timing maps to the exception.
@@ -55,7 +64,7 @@ def time_candidates(calls: dict, device: str, *, reps: int = 0, budget_s: float 
     """
     progress = progress or (lambda phase, name: None)
     if device == "cuda":
-        return _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress)
+        return _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress, eager)
     return _time_cpu(calls, reps, budget_s, progress)
 
 
@@ -90,7 +99,14 @@ def _time_cpu(calls, reps, budget_s, progress):
     return out
 
 
-def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress):
+def _back_to_back(fn, k):
+    def run():
+        for _ in range(k):
+            fn()
+    return run
+
+
+def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress, eager=False):
     out, runners = {}, {}
     stream = torch.cuda.Stream()
     for name, fn in calls.items():
@@ -102,6 +118,10 @@ def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress):
             torch.cuda.synchronize()
             if cold_l2:
                 runners[name] = ("eager-cold-l2", fn, 1)
+                continue
+            if eager:
+                runners[name] = ("eager-back-to-back", _back_to_back(fn, graph_calls),
+                                 graph_calls)
                 continue
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=stream):
@@ -140,7 +160,8 @@ def _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress):
     torch.cuda.synchronize()
     for name, (mode, run, k) in runners.items():
         samples[name] = [s.elapsed_time(e) * 1e3 / k for s, e in ev[name]]
-        timer = {"timer": mode, "reps": reps, "calls_per_graph": k if mode == "cuda-graph" else 1,
+        timer = {"timer": mode, "reps": reps,
+                 "calls_per_graph": k if mode in ("cuda-graph", "eager-back-to-back") else 1,
                  "cold_l2": bool(cold_l2)}
         out[name] = _stats(samples[name], timer)
     return out

@@ -258,7 +258,6 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
             ("out_proj (gated delta net)", n_lin, hidden, lin_out, False),
             ("gate_up_proj (mlp)", layers, 2 * i_tp, hidden, False),
             ("down_proj (mlp)", layers, hidden, i_tp, False),
-            ("lm_head (M = sampled tokens)", 1, _vocab_shard(text, cfg, tp, where), hidden, False),
         ])
     elif mtype in ("qwen3", "qwen2", "llama", "mistral"):
         add("rms_norm", 1, "layer 0 input_layernorm", hidden=hidden, eps=eps)
@@ -287,7 +286,6 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
             ("o_proj", layers, hidden, h_tp * head_dim, o_bias),
             ("gate_up_proj (mlp)", layers, 2 * i_tp, hidden, mlp_bias),
             ("down_proj (mlp)", layers, hidden, i_tp, mlp_bias),
-            ("lm_head (M = sampled tokens)", 1, _vocab_shard(text, cfg, tp, where), hidden, False),
         ])
     else:
         raise ModelConfigError(f"{where}: model_type {mtype!r} is not supported yet; supported: "
@@ -297,37 +295,23 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
                     opt_in=[i for i in items if i.op in later])
 
 
-#: vLLM pads the vocabulary to a multiple of this before sharding it (ParallelLMHead)
-VOCAB_PADDING = 64
-#: the LM head's M is the number of requests sampling in a step, at most vLLM's
-#: ``max_num_seqs`` (its largest default is 1024): larger bands are not measured for it
-LM_HEAD_MAX_TOKENS = 1024
-
-
-def _vocab_shard(text, cfg, tp, where):
-    """The LM head's N per rank: the padded vocabulary over ``tp`` (VocabParallelEmbedding);
-    None when the config names no vocabulary (no LM head item then: the other ops' items
-    do not need it)."""
-    if text.get("vocab_size", cfg.get("vocab_size")) is None:
-        return None
-    vocab = _int(text, "vocab_size", where, default=cfg.get("vocab_size"), maximum=1 << 24)
-    padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-    return -(-padded // tp)
-
-
 def _add_linear(add, layers_) -> None:
     """One ``linear`` item per distinct (N, K, bias), calls summed over the layers that
     share it (o_proj and the GDN out_proj of Qwen3.5 are both 1024x2048), their names
-    joined: the calibration measures a shape once, weighted by every call of it."""
+    joined: the calibration measures a shape once, weighted by every call of it.
+
+    The LM head is not among them: vLLM computes the logits outside the model's CUDA
+    graphs, eagerly, once per step, so a routed LM head pays fltune's custom op and the
+    pick's launch on the host at every step. On the H200 (session 6,
+    ``benchmarks/results/h200-2026-12-01-s6``) that was 78-126 µs of host time per call
+    against cuBLAS's 22, for at most 9 µs less GPU time (Qwen3.5-0.8B, 248320 x 1024),
+    in decode steps whose wall time the host sets."""
     merged: dict = {}
     for where_, calls, n, k, bias in layers_:
         if calls <= 0 or n is None:
             continue
-        cap = LM_HEAD_MAX_TOKENS if where_.startswith("lm_head") else None
         key = (n, k, bias)
-        w0, c0, cap0 = merged.get(key, ("", 0, cap))
-        # a shape shared with a layer that runs every token count keeps every band
-        cap = None if cap is None or cap0 is None else max(cap, cap0)
-        merged[key] = (f"{w0}, {where_}" if w0 else where_, c0 + calls, cap)
-    for (n, k, bias), (where_, calls, cap) in merged.items():
-        add("linear", calls, where_, max_tokens=cap, n=n, k=k, bias=bias)
+        w0, c0 = merged.get(key, ("", 0))
+        merged[key] = (f"{w0}, {where_}" if w0 else where_, c0 + calls)
+    for (n, k, bias), (where_, calls) in merged.items():
+        add("linear", calls, where_, n=n, k=k, bias=bias)
