@@ -7,6 +7,7 @@
 #   PHASE=adj  issue 12.1 / 11.3: model-step adjudication of `linear` (one routed arm against
 #              vanilla, kernel profile on), decision into the DB, freeze.
 #   PHASE=seam host cost per call of the linear seam (benchmarks/seam_overhead.py).
+#   PHASE=host cProfile of prefill 2048, routed linear arm then vanilla (host_profile.py).
 #   PHASE=mp   issue 11.2: A/A of vanilla against vanilla with vLLM's multiprocess engine
 #              (`--engine-process multiprocess`), the engine users run.
 # Knobs: PROFILE (Qwen3.5-0.8B), MAXTOK (8192: the e2e engine's max_num_batched_tokens),
@@ -61,6 +62,18 @@ seam) {
   timeout 200 python3 benchmarks/seam_overhead.py --db $DB --out "$OUT/seam_overhead.json"
   echo "seam rc=$?"
 } 2>&1 | tee "$OUT/log-seam" ;;
+host) {
+  # the routed linear arm's extra prefill host time: cProfile per arm (host_profile.py)
+  [ -n "$SEAMDB" ] && cp "$SEAMDB" $DB
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0
+  FLTUNE_DB=$DB FLTUNE_ROUTE=ops:linear timeout ${TIMEOUT1:-170} python3 benchmarks/host_profile.py \
+    --out "$OUT" --tag linear --prompt-len ${PLEN:-2048}
+  echo "linear rc=$?"
+  timeout ${TIMEOUT2:-120} python3 benchmarks/host_profile.py --out "$OUT" --tag vanilla \
+    --prompt-len ${PLEN:-2048}
+  echo "vanilla rc=$?"
+  rm -rf "$OUT/model"
+} 2>&1 | tee "$OUT/log-host" ;;
 mp) {
   el "A/A multiprocess"
   lscpu > "$OUT/lscpu.txt" 2>&1
