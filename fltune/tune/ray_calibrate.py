@@ -1,4 +1,4 @@
-"""``fltune calibrate --ray`` and ``fltune verify --ray``: calibration across the GPUs and hosts
+"""``fltune calibrate --ray``: calibration across the GPUs and hosts
 of a Ray cluster (Ray is what vLLM itself runs on across hosts), into the one DB.
 
 Why: a fleet has many GPUs of a few kinds. Each *kind* — a device key under one driver and
@@ -11,10 +11,11 @@ torch's device 0 is that card and ``device.current()`` describes it). Where the 
 no GPU (or ``--device cpu``), ``num_cpus=1`` actors stand in: the same class, the same
 calls, the same driver — which is what the CPU tests run. (Ray runs such an actor's torch on
 one thread, ``OMP_NUM_THREADS=1``, so its CPU timings are not those of a whole-machine
-``fltune calibrate``: CPU actors exercise the distribution, GPU actors are the point.) Each actor reports its device
-record and stack; actors with the same (device key, driver, stack key) form a **group** that
-shares that kind's work; different groups get their own ``devices`` row, ``runs`` row and
-rows of results, exactly as separate calibrations on each machine would.
+``fltune calibrate``: CPU actors exercise the distribution, GPU actors are the point.)
+Each actor reports its device record and stack; actors with the same (device key, driver,
+stack key) form a **group** that shares that kind's work; different groups get their own
+``devices`` row, ``runs`` row and rows of results, exactly as separate calibrations on each
+machine would.
 
 **The work unit is one band** of one (op, shape, dtype) table — ``calibrate``'s unit: one
 race (every candidate interleaved on one input size), one verdict settled against its
@@ -94,9 +95,9 @@ def import_ray():
 def connect(address: Optional[str] = None):
     """Join (or start) a Ray cluster. ``address``: None or ``"local"`` is Ray's own rule
     (``RAY_ADDRESS``, else the cluster running on this host, else a new local one),
-    ``"auto"`` an existing cluster only, else ``HOST:PORT`` or ``ray://HOST:PORT``. Returns ``(ray, started)``: ``started`` when this
-    call initialised Ray (the caller shuts it down again). An already initialised Ray (a
-    test's, a notebook's) is used as it is."""
+    ``"auto"`` an existing cluster only, else ``HOST:PORT`` or ``ray://HOST:PORT``. Returns
+    ``(ray, started)``: ``started`` when this call initialised Ray (the caller shuts it down
+    again). An already initialised Ray (a test's, a notebook's) is used as it is."""
     ray = import_ray()
     if ray.is_initialized():
         return ray, False
@@ -588,8 +589,8 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
             except ray.exceptions.RayError:
                 alive.discard(i)
         if failure:
-            raise RayError(failure + "; every band finished before it is saved: rerun the "
-                                     "same command to resume")
+            raise RayError(failure + "; every band that finished is saved: rerun the same "
+                                     "command to resume")
         for g in groups:
             g.status = "done" if not sum(g.left.values()) else "incomplete"
         status = "done"
