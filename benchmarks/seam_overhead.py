@@ -13,7 +13,9 @@ layers of that cost, each route calling the same frozen pick for the same tensor
   custom_op        ``torch.ops.fltune.linear``: the ``torch.library`` op the seam puts in
                    vLLM's graph (dispatcher, autograd wrapper, Dynamo-disable frame)
 
-Per route: the host time per call (calls enqueued back to back, the clock read before the
+Timed under ``torch.inference_mode()``, as vLLM runs its model (``--grad-mode`` times it with
+autograd on, as the first H200 run did: a ``torch.library.custom_op`` costs more there, its
+autograd wrapper runs). Per route: the host time per call (calls enqueued back to back, the clock read before the
 synchronize) and the time per call with the synchronize (GPU-bound for large shapes).
 Medians over interleaved trials. Prints a table, writes JSON.
 """
@@ -37,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--out")
+    ap.add_argument("--grad-mode", action="store_true",
+                    help="time with autograd on (the first H200 run's setting)")
     ap.add_argument("--db-device", help="the DB's device row (default: this machine's)")
     a = ap.parse_args(argv)
     from fltune.dispatch import frozen
@@ -48,10 +52,26 @@ def main(argv=None) -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     fd = frozen.current()
+    import contextlib
+    mode = contextlib.nullcontext() if a.grad_mode else torch.inference_mode()
+    with mode:
+        rows = _measure(a, fd, dev, sync, ops)
+    doc = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+           "torch": torch.__version__, "db": a.db, "calls": a.calls, "trials": a.trials,
+           "mode": "grad" if a.grad_mode else "inference_mode", "warnings": warns,
+           "rows": rows}
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def _measure(a, fd, dev, sync, ops):
     rows = []
     for spec in a.shapes.split(","):
         n, k = (int(v) for v in spec.split(":"))
-        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        with torch.inference_mode(False):     # a layer's weight: a normal tensor, as in vLLM
+            w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
         for m in (int(t) for t in a.tokens.split(",")):
             if n > 100000 and m > 1024:
                 continue
@@ -86,13 +106,7 @@ def main(argv=None) -> int:
                   + " ".join(f"{r}={v:7.2f}" for r, v in row["host_us"].items())
                   + " | with sync " + " ".join(f"{r}={v:7.2f}" for r, v in row["call_us"].items()),
                   flush=True)
-    doc = {"device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
-           "torch": torch.__version__, "db": a.db, "calls": a.calls, "trials": a.trials,
-           "warnings": warns, "rows": rows}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
