@@ -209,6 +209,10 @@ def before_load_model(runner) -> None:
             extra.pop(ROUTE_CONFIG_KEY, None)
         # only the layers that route something are replaced (see ops.needed_layers)
         ops.unregister_layers(keep=ops.needed_layers(routes))
+        if linear_seam.OP in routes:
+            # before the model's VllmBackend copies the Inductor config (linear_lowering)
+            from . import linear_lowering
+            linear_lowering.install(plan, cfg)
         RECORD.update(pid=os.getpid(), fingerprint=fd.fingerprint, source=plan.source,
                       compiled_with_inductor=compiled, route_mode=plan.route,
                       effective_routes=routes,

@@ -352,11 +352,12 @@ def _unwrap_platform_default() -> None:
     _orig_default = None
 
 
-def range_endpoints(plan=None) -> list:
+def range_endpoints(plan=None, ops_=IR_OPS) -> list:
     """Token counts at which an owned op's bands switch between vLLM's own path and another
     implementation: vLLM's ``compile_ranges_endpoints`` there give each compiled range one
-    kind of winner, so the lowering can leave native bands to Inductor (``_table_takes``).
-    vLLM adds max_num_batched_tokens itself."""
+    kind of winner, so the lowering can leave native bands to Inductor (``_table_takes``;
+    ``linear_lowering`` for ``ops_=("linear",)``). vLLM adds max_num_batched_tokens
+    itself."""
     from ...dispatch.manifest import is_native
 
     st = _state
@@ -364,7 +365,7 @@ def range_endpoints(plan=None) -> list:
         return []
     typed = (plan or st.plan).typed
     edges = set()
-    for op in IR_OPS:
+    for op in ops_:
         entry = typed.ops.get(op)
         for t in (entry.tables if entry else []):
             for a, b in zip(t.bands, t.bands[1:]):

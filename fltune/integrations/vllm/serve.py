@@ -176,6 +176,13 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
               f"(provider {ir_provider.PROVIDER}, first in vLLM's priority where routed above)"
               + (f"; native/other band edges for -cc.compile_ranges_endpoints: {edges}"
                  if edges else ""), file=out, flush=True)
+    if "linear" in plan.possible_routes():
+        from . import linear_lowering
+        edges = linear_lowering.range_endpoints(plan)
+        if edges:
+            print(f"  linear: lowered to vLLM's GEMM in compile ranges whose bands are all "
+                  f"vLLM's path (VLLM_COMPILE + Inductor); native/other band edges for "
+                  f"-cc.compile_ranges_endpoints: {edges}", file=out, flush=True)
     extra = engine_args(manifest, key, vllm_args, out)
     return vllm_argv(vllm_args, plan.fingerprint, route) + extra, env, plan
 
