@@ -387,8 +387,10 @@ def test_adjudicate_engine_command_refuses_bad_input_before_any_work(tmp_path):
     assert r.returncode == 2 and "unknown engine choice 'attn'" in r.stderr
     r = cli("--engine-choice", "attention_backend", "--ops", "rms_norm")
     assert r.returncode == 2 and "--ops belongs to the per-op adjudication" in r.stderr
-    r = cli("--engine", "{}")
-    assert r.returncode == 2 and "--engine belongs to --engine-choice" in r.stderr
+    # --engine goes to every arm of either adjudication; a value that is not an object is
+    # refused before anything else
+    r = cli("--db", str(tmp_path / "none.db"), "--engine", "[1]")
+    assert r.returncode == 2 and "--engine: expected a JSON object" in r.stderr
 
 
 # ---- end to end: the real instrument on the tiny model ------------------------------------

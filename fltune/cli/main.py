@@ -466,8 +466,6 @@ def cmd_adjudicate(a) -> int:
     alone against vanilla (evaluate/model_step.py); decisions stored in the DB."""
     if a.engine_choice or a.list_values:
         return cmd_adjudicate_engine(a)
-    if a.engine is not None:
-        raise UsageError("--engine belongs to --engine-choice")
     import os
 
     from ..evaluate import model_step
@@ -475,6 +473,9 @@ def cmd_adjudicate(a) -> int:
     from ..integrations.vllm.ops import SEAMED_OPS
     from .render import render_adjudication
 
+    # every arm, vanilla included (e.g. vLLM's compile ranges at the edges the linear
+    # lowering needs: `fltune serve` prints them)
+    engine = _engine_json(a)
     dev = _device(a)
     if not os.path.isfile(a.db):
         raise UsageError(f"--db {a.db} does not exist: calibrate first "
@@ -494,7 +495,7 @@ def cmd_adjudicate(a) -> int:
                                      reps=a.reps, warmup=a.warmup,
                                      ops=a.ops.split(",") if a.ops else None,
                                      seamed=SEAMED_OPS | LINEAR_SEAMED, out_dir=a.out,
-                                     progress=progress,
+                                     progress=progress, engine=engine,
                                      command=command)
 
     doc = _interruptible((run, _measured_only("adjudicate")))
@@ -1008,8 +1009,8 @@ def _add_verify(sub) -> None:
     g.add_argument("--list-values", action="store_true",
                    help="print the values each --engine-choice (default: every choice) "
                         "offers on this vLLM and device for the model; measure nothing")
-    g.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets, "
-                                    "over the instrument's defaults")
+    c.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets "
+                                    "(vanilla too), over the instrument's defaults")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_adjudicate)
