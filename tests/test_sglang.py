@@ -529,14 +529,16 @@ def test_real_sglang_engine_tokens_equal_plugin_off(tmp_path):
         "strict_bad": {"FLTUNE_MANIFEST": bad, "FLTUNE_STRICT": "1"},
     }
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLTUNE_")}
-    procs = {}
-    for name, env in runs.items():        # all at once: each engine idles most of its start
-        procs[name] = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
-                                       env={**base, **env, "PYTHONUNBUFFERED": "1"},
-                                       cwd=str(tmp_path), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-    logs = {}
-    for name, p in procs.items():
+    procs, logs = {}, {}
+    # one engine at a time: SGLang on CPU sizes its KV pool from the machine's available
+    # memory measured around its own weight load, so an engine starting beside another
+    # (started all at once, "minimum viable" moved from 0.05 to 0.11 between runs) can find
+    # no room left under mem_fraction_static and refuse to start
+    for name, env in runs.items():
+        p = procs[name] = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                                           env={**base, **env, "PYTHONUNBUFFERED": "1"},
+                                           cwd=str(tmp_path), stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True)
         try:
             logs[name], _ = p.communicate(timeout=400)
         except subprocess.TimeoutExpired:
