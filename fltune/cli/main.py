@@ -183,6 +183,33 @@ def _group(kw) -> str:
     return f"{kw['op']} [{sig}] {kw.get('dtype') or ''}".rstrip() if sig else kw["op"]
 
 
+class _BandProgress:
+    """The progress callback of a calibration (one process or ``--ray``): a bar over the
+    workload's bands, a line per band (its winner, or "cached"), and the count of bands
+    saved, for the Ctrl-C line. ``on_start(**kw)`` prints what a variant adds at start."""
+
+    def __init__(self, prog, title: str, on_start=None):
+        self.prog, self.title, self.on_start = prog, title, on_start
+        self.task = None
+        self.saved = 0
+
+    def __call__(self, event, **kw):
+        if event == "start":
+            self.task = self.prog.add_task(self.title, total=kw["total"])
+            if self.on_start:
+                self.on_start(**kw)
+        elif event in ("band", "skip"):
+            self.saved += event == "band"
+            w = kw.get("winner")
+            desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
+                                                     (" (cached)" if event == "skip" else ""))
+            self.prog.update(self.task, advance=1, description=desc, group=_group(kw),
+                             group_done=kw.get("last", False))
+
+    def interrupted(self) -> str:
+        return f"interrupted: {self.saved} bands saved; rerun the same command to resume"
+
+
 def cmd_calibrate(a) -> int:
     if getattr(a, "ray", None) is not None:
         return cmd_calibrate_ray(a)
@@ -197,20 +224,7 @@ def cmd_calibrate(a) -> int:
                         cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
     prog = progress_bar(con, "calibrate", a.quiet or a.json)
-    task = None
-    saved = 0
-
-    def progress(event, **kw):
-        nonlocal task, saved
-        if event == "start":
-            task = prog.add_task(a.model, total=kw["total"])
-        elif event in ("band", "skip"):
-            saved += event == "band"
-            w = kw.get("winner")
-            desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
-                                                     (" (cached)" if event == "skip" else ""))
-            prog.update(task, advance=1, description=desc, group=_group(kw),
-                        group_done=kw.get("last", False))
+    progress = _BandProgress(prog, a.model)
 
     def run():
         with prog:
@@ -219,8 +233,7 @@ def cmd_calibrate(a) -> int:
                              force=a.force, progress=progress, isolate=a.isolate,
                              candidate_timeout=a.candidate_timeout)
 
-    res = _interruptible((run, lambda: f"interrupted: {saved} bands saved; rerun the same "
-                                       f"command to resume"))
+    res = _interruptible((run, progress.interrupted))
     if a.json:
         print(json.dumps(res.as_dict(), indent=1))
     else:
@@ -726,21 +739,8 @@ def cmd_calibrate_ray(a) -> int:
                         reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
     prog = _progress(con, "calibrate --ray", a.quiet or a.json)
-    task = None
-    saved = 0
-
-    def progress(event, **kw):
-        nonlocal task, saved
-        if event == "start":
-            task = prog.add_task(a.model, total=kw["total"])
-            con.print(f"{len(kw['places'])} actors: {', '.join(kw['places'])}")
-        elif event in ("band", "skip"):
-            saved += event == "band"
-            w = kw.get("winner")
-            desc = f"{kw['op']} ≤{kw['band'].hi}" + (f" → {w['impl_id']}" if w else
-                                                     (" (cached)" if event == "skip" else ""))
-            prog.update(task, advance=1, description=desc, group=_group(kw),
-                        group_done=kw.get("last", False))
+    progress = _BandProgress(prog, a.model, on_start=lambda **kw: con.print(
+        f"{len(kw['places'])} actors: {', '.join(kw['places'])}"))
 
     def run():
         with prog:
@@ -754,8 +754,7 @@ def cmd_calibrate_ray(a) -> int:
                 warn=lambda line: con.print(line))
 
     try:
-        res = _interruptible((run, lambda: f"interrupted: {saved} bands saved; rerun the same "
-                                           f"command to resume"))
+        res = _interruptible((run, progress.interrupted))
     except rc.RayError as e:
         raise UsageError(str(e)) from None
     if a.json:

@@ -170,16 +170,8 @@ def apply_hooks() -> None:
 
 
 def around_load_model(original, runner, *args, **kwargs):
-    first = not getattr(runner, "_fltune_loading", False)
-    if first:
-        runner._fltune_loading = True
-        before_load_model(runner)
-    try:
-        return original(runner, *args, **kwargs)
-    finally:
-        if first:
-            runner._fltune_loading = False
-            after_load_model(runner)
+    return counters_io.around_load(runner, lambda: original(runner, *args, **kwargs),
+                                   before_load_model, after_load_model)
 
 
 def _sglang_compiles(runner) -> bool:

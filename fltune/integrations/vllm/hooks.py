@@ -54,22 +54,31 @@ RECORD: dict = {}
 
 # ---- patching ---------------------------------------------------------------------------
 
+def around_load(runner, call, before, after):
+    """``call()`` (a runner's original ``load_model``) between ``before(runner)`` and
+    ``after(runner)``, once per outermost call: a runner whose ``load_model`` calls a
+    wrapped ``load_model`` again (a subclass, a reload) must not freeze or count twice.
+    vLLM's runner patch and SGLang's AROUND hook both go through here."""
+    first = not getattr(runner, "_fltune_loading", False)
+    if first:
+        runner._fltune_loading = True
+        before(runner)
+    try:
+        return call()
+    finally:
+        if first:
+            runner._fltune_loading = False
+            after(runner)
+
+
 def _wrap(cls) -> bool:
     orig = cls.__dict__.get("load_model")
     if orig is None or getattr(orig, "_fltune_wrapped", False):
         return False
 
     def load_model(self, *args, **kwargs):
-        first = not getattr(self, "_fltune_loading", False)
-        if first:
-            self._fltune_loading = True
-            before_load_model(self)
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            if first:
-                self._fltune_loading = False
-                after_load_model(self)
+        return around_load(self, lambda: orig(self, *args, **kwargs), before_load_model,
+                           after_load_model)
 
     load_model._fltune_wrapped = True
     load_model.__wrapped__ = orig
