@@ -119,7 +119,7 @@ def test_schema_4_db_is_read_as_is_and_migrated_to_5_keeping_every_row(tmp_path)
     assert _digest(path) == before
     db = CalibrationDB(path, create=False, write=True)     # a writer migrates
     try:
-        assert db.schema_version() == SCHEMA_VERSION == 5
+        assert db.schema_version() == SCHEMA_VERSION == 6
         assert "engine_picks" in db.db.table_names()
         assert "engine_picks_readable" in db.db.view_names()
         assert db.integrity_check() == "ok"

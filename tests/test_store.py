@@ -60,7 +60,7 @@ def test_new_db_schema_version_wal_and_busy_timeout(tmp_db_path):
     db = CalibrationDB(tmp_db_path)                   # creates parent dirs too
     try:
         assert TABLES <= set(db.db.table_names())
-        assert db.schema_version() == SCHEMA_VERSION == 5
+        assert db.schema_version() == SCHEMA_VERSION == 6
         assert db.db.execute("PRAGMA busy_timeout").fetchone()[0] == BUSY_TIMEOUT_MS
         assert db.db["measurements"].pks == MEASUREMENT_KEY
         assert db.db["winners"].pks == WINNER_KEY

@@ -494,6 +494,12 @@ def cmd_adjudicate(a) -> int:
         raise UsageError(f"--db {a.db} does not exist: calibrate first "
                          f"(fltune calibrate --model {a.model} --db {a.db})")
     scenarios = _e2e_scenarios(a, dev)
+    per_range = None
+    if a.per_range is not None:
+        try:
+            per_range = model_step.parse_range_edges(a.per_range)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     con = _console(a.quiet or a.json)
     command = _command_line(a)
 
@@ -509,7 +515,7 @@ def cmd_adjudicate(a) -> int:
                                      ops=a.ops.split(",") if a.ops else None,
                                      seamed=SEAMED_OPS | LINEAR_SEAMED, out_dir=a.out,
                                      progress=progress, engine=engine,
-                                     command=command)
+                                     command=command, per_range=per_range)
 
     doc = _interruptible((run, _measured_only("adjudicate")))
     if a.out:
@@ -984,6 +990,10 @@ def _add_bench(sub) -> None:
     c.set_defaults(fn=cmd_bench)
 
 
+#: fltune.evaluate.model_step.DEFAULT_RANGE_EDGES (spelled here: the parser imports no stage)
+_DEFAULT_RANGE_EDGES = (512,)
+
+
 def _add_verify(sub) -> None:
     c = sub.add_parser("adjudicate", help="route or leave native, per op, by the model's "
                                           "measured step time with and without it (vLLM)")
@@ -998,6 +1008,12 @@ def _add_verify(sub) -> None:
     c.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
     c.add_argument("--out", help="a directory for adjudication.json, the e2e raw data and "
                                  "the worker logs")
+    c.add_argument("--per-range", nargs="?", const=",".join(
+                       str(e) for e in _DEFAULT_RANGE_EDGES), metavar="EDGES",
+                   help="decide each op per token range (vLLM compiles one graph per range): "
+                        "the same arm's points split by each scenario's tokens per step at "
+                        "these comma-separated edges (default 512: decode vs prefill); "
+                        "serving routes the op only in the ranges decided route")
     g = c.add_argument_group("engine-wide choices (instead of the per-op routing)")
     g.add_argument("--engine-choice", action="append", metavar="NAME[=V1,V2]",
                    help="measure an engine-wide vLLM setting instead: one arm per value "

@@ -688,13 +688,16 @@ def render_route_decisions(rows: list, console=None, title: str = None) -> None:
         console = wide_console(170)
     t = Table(title=title or "routing decided by model-step measurement (fltune adjudicate)",
               title_justify="left")
-    for col in ("model", "op", "decision", "reason", "ratio to vanilla per scenario"):
+    for col in ("model", "op", "tokens", "decision", "reason", "ratio to vanilla per scenario"):
         t.add_column(col, overflow="fold")          # fold, never cut: 80 columns stay whole
     for r in rows:
         ev = r.get("evidence") or {}
         points = r.get("points", ev.get("points"))
         dec = r["decision"]
-        t.add_row(escape(str(r.get("model") or "")), r["op"],
+        lo, hi = r.get("min_tokens") or 1, r.get("max_tokens")
+        # the token range the decision covers (--per-range); "all" for the whole range
+        tokens = "all" if lo <= 1 and hi is None else (f"{lo}+" if hi is None else f"{lo}-{hi}")
+        t.add_row(escape(str(r.get("model") or "")), r["op"], tokens,
                   f"[bold green]{dec}[/]" if dec == "route" else dec,
                   escape(str(r.get("reason") or "")), _points_cell(points))
     console.print(t)

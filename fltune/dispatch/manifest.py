@@ -21,6 +21,16 @@ written only when the device has decisions, so an older manifest keeps its bytes
 is there it is in the fingerprint like everything else (a new decision is a new choice,
 and so a new compile-cache key).
 
+Per token range (``fltune adjudicate --per-range``): a decision may cover only the token
+range ``min_tokens``..``max_tokens`` (``max_tokens`` None: no upper bound), one of vLLM's
+compile ranges; an op then has one decision per range. The two keys are written only when
+a decision does not cover the whole range, so a manifest without split decisions keeps its
+bytes and fingerprint; written, they are in the fingerprint. :meth:`Manifest.ranges_for`
+gives an op's ranges; :meth:`Manifest.decisions_for` one decision per op, where a split op
+with routed and native ranges reads 'native' unless every range routes (the rule for a
+seam that cannot serve per range) and carries its ranges (``RouteDecision.ranges``) for the
+seams that can (the vLLM plugin: ``integrations/vllm/plugin.py``).
+
 Engine-wide picks (``engine_picks``, :class:`EnginePick`): per model and engine-wide vLLM
 setting (``attention_backend``, ``gdn_prefill_backend``, ...), the value measured fastest
 against vLLM's own default ('pick') or vLLM's default kept ('default'), from
@@ -236,19 +246,76 @@ class RouteDecision:
     model_name: Optional[str] = None
     routed_impls: list = field(default_factory=list)
     evidence: list = field(default_factory=list)
+    #: the token range this decision covers (``max_tokens`` None: no upper bound)
+    min_tokens: int = 1
+    max_tokens: Optional[int] = None
+    #: for an op decided per range (:func:`combine_ranges`): every range's decision, by
+    #: ``min_tokens``; empty for a decision of one range. Not written (derived)
+    ranges: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def routes(self) -> bool:
         return self.decision == "route"
 
+    @property
+    def whole_range(self) -> bool:
+        return self.min_tokens <= 1 and self.max_tokens is None
+
+    @property
+    def mixed(self) -> bool:
+        """Routed in some token ranges and native in others."""
+        return len({r.decision for r in self.ranges}) > 1
+
+    def covers(self, tokens: int) -> bool:
+        return self.min_tokens <= tokens and (self.max_tokens is None
+                                              or tokens <= self.max_tokens)
+
+    def range_text(self) -> str:
+        return range_text(self.min_tokens, self.max_tokens)
+
+    def native_ranges(self) -> list:
+        """[(min, max or None)] of the ranges decided native (of a per-range op)."""
+        return [(r.min_tokens, r.max_tokens) for r in self.ranges if not r.routes]
+
     def to_json(self) -> dict:
-        return {"model": self.model, "op": self.op, "decision": self.decision,
-                "reason": self.reason, "rule": self.rule, "model_name": self.model_name,
-                "routed_impls": list(self.routed_impls), "evidence": list(self.evidence)}
+        d = {"model": self.model, "op": self.op, "decision": self.decision,
+             "reason": self.reason, "rule": self.rule, "model_name": self.model_name,
+             "routed_impls": list(self.routed_impls), "evidence": list(self.evidence)}
+        if not self.whole_range:          # absent: the whole range (older bytes kept)
+            d["min_tokens"], d["max_tokens"] = self.min_tokens, self.max_tokens
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "RouteDecision":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "ranges"})
+
+
+def range_text(lo: int, hi: Optional[int]) -> str:
+    """A token range as people read it: ``1-512``, ``513+``."""
+    return f"{lo}+" if hi is None else f"{lo}-{hi}"
+
+
+def combine_ranges(rows: list) -> "RouteDecision":
+    """One op's per-range decisions as one: the row itself when there is one; else
+    'route' only when every range routes (what a seam that cannot serve per range may
+    do), the reason naming each range, and ``ranges`` holding them all."""
+    rows = sorted(rows, key=lambda r: r.min_tokens)
+    if len(rows) == 1:
+        return rows[0]
+    first = rows[0]
+    every = all(r.routes for r in rows)
+    per = "; ".join(f"{r.range_text()} tokens {r.decision} ({r.reason})" for r in rows)
+    if every or not any(r.routes for r in rows):
+        reason = f"per range: {per}"
+    else:
+        reason = (f"per range, routed only in " + ", ".join(
+            r.range_text() for r in rows if r.routes) + f": {per}")
+    return RouteDecision(
+        model=first.model, op=first.op, decision="route" if every else "native",
+        reason=reason, rule=first.rule, model_name=first.model_name,
+        routed_impls=list(first.routed_impls),
+        evidence=[p for r in rows for p in r.evidence], min_tokens=first.min_tokens,
+        max_tokens=rows[-1].max_tokens, ranges=rows)
 
 
 @dataclass
@@ -339,8 +406,17 @@ class Manifest:
 
     def decisions_for(self, model: Optional[str]) -> dict:
         """op -> :class:`RouteDecision` for the model key ``model`` (empty when the device
-        has no decision for it: that model's routing is unmeasured)."""
-        return {r.op: r for r in self.route_decisions if model is not None and r.model == model}
+        has no decision for it: that model's routing is unmeasured). An op decided per token
+        range gets :func:`combine_ranges` of its ranges."""
+        return {op: combine_ranges(rows) for op, rows in self.ranges_for(model).items()}
+
+    def ranges_for(self, model: Optional[str]) -> dict:
+        """op -> its decisions for the model key ``model``, one per token range, by range."""
+        out: dict = {}
+        for r in self.route_decisions:
+            if model is not None and r.model == model:
+                out.setdefault(r.op, []).append(r)
+        return {op: sorted(rows, key=lambda r: r.min_tokens) for op, rows in out.items()}
 
     def engine_picks_for(self, model: Optional[str]) -> list:
         """The :class:`EnginePick` rows for the model key ``model`` (empty when none)."""

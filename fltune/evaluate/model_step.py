@@ -37,6 +37,25 @@ total above vanilla's by more than :data:`KERNEL_TOLERANCE` where totals are kno
 reason always names the scenarios and CIs that decided; ``unmeasured`` when the arm gave no
 point.
 
+Per token range (``--per-range``, :func:`decide_per_range`). vLLM compiles one graph per
+token range of ``compilation_config.compile_ranges_endpoints`` (``get_compile_ranges``:
+[1, e1], [e1+1, e2], ..., up to max_num_batched_tokens), so within one served model an op
+can be fltune's custom op in one range and vLLM's own path in another. The decision can
+then be made per range: the op's evidence (the same one arm, which routes the op at every
+size) is split by each scenario's tokens per step (:func:`scenario_tokens`: a decode
+scenario ``decode_bN`` runs N tokens per step, its single prefill step a small share of it;
+a prefill scenario batch x prompt length) into the ranges between the edges, and
+:func:`decide` is applied to each range's points alone. A range no scenario falls in is
+``native`` (unmeasured). This reads each scenario's own point as the evidence for its range,
+which assumes no interaction across ranges: it holds because each range is its own compiled
+graph (a step runs exactly one of them), so routing the op in one range changes nothing in
+another's. The default split, :data:`DEFAULT_RANGE_EDGES` (512: decode at or below, prefill
+above), is vLLM's default largest CUDA-graph capture size: up to it vLLM replays captured
+graphs and a routed op's host cost is paid once at capture; above it every call pays it
+(README, "linear (GEMMs)": on the H200 the routed GEMMs cut decode kernel time 22 % while
+prefill 2048 ran slower on wall) — the place where a routed and a native path most plausibly
+differ in sign. Each row carries its range (``min_tokens``, ``max_tokens``; schema 6).
+
 Everything of one adjudication is written in one transaction (``route_decisions``, schema 4),
 each row with its evidence: the arm's points, the scenarios, reps, the routed
 implementations, the model and the command. ``freeze`` puts the decisions into the manifest;
@@ -62,6 +81,53 @@ KERNEL_TOLERANCE = 0.02
 #: (H200, 2026-11-30), so a CI must clear 1 % to say faster or slower
 KERNEL_FLOOR = 0.01
 ALL_NATIVE_REASON = "the race's winners are vLLM's own path"
+#: ``--per-range`` without edges: decode (<= 512 tokens per step) vs prefill (module docstring)
+DEFAULT_RANGE_EDGES = (512,)
+
+
+def scenario_tokens(s) -> int:
+    """Tokens per model step of a scenario (a dict or ``e2e.Scenario``): a decode step runs
+    one token per sequence (``batch``), a prefill step the whole prompt of every sequence."""
+    get = s.get if isinstance(s, dict) else (lambda k, d=None: getattr(s, k, d))
+    batch = int(get("batch", 1) or 1)
+    return batch if get("kind") == "decode" else batch * int(get("prompt_len", 1) or 1)
+
+
+def token_ranges(edges) -> list:
+    """[(min, max)] between sorted ``edges`` (a range ends at an edge, as vLLM's compile
+    ranges do); the last has no upper bound (None)."""
+    edges = sorted({int(e) for e in edges or () if int(e) >= 1})
+    los = [1] + [e + 1 for e in edges]
+    return list(zip(los, edges + [None]))
+
+
+def parse_range_edges(text) -> tuple:
+    """``--per-range`` value: comma-separated token counts (``512``, ``512,4096``)."""
+    try:
+        edges = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--per-range: {text!r} is not a comma-separated list of token "
+                         f"counts (e.g. 512 or 512,4096)") from None
+    if not edges or edges[0] < 1:
+        raise ValueError(f"--per-range: {text!r}: give token counts >= 1 (e.g. 512)")
+    return edges
+
+
+def decide_per_range(points: list, scenarios: list, edges) -> list:
+    """One op's arm points split by token range (module docstring): per range of
+    :func:`token_ranges`, ``(min, max, decision, reason, points)`` with :func:`decide` on
+    that range's points (points of a scenario not in ``scenarios`` are left out)."""
+    tokens = {(_scenario_json(s))["name"]: scenario_tokens(s) for s in scenarios}
+    out = []
+    for lo, hi in token_ranges(edges):
+        mine = [p for p in points if p.get("scenario") in tokens
+                and lo <= tokens[p["scenario"]] and (hi is None or tokens[p["scenario"]] <= hi)]
+        if not mine:
+            out.append((lo, hi, "native", "unmeasured: no scenario in this token range", []))
+            continue
+        decision, reason = decide(mine)
+        out.append((lo, hi, decision, reason, mine))
+    return out
 
 
 def arm_name(op: str) -> str:
@@ -143,15 +209,18 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                ops: Optional[list] = None, seamed=None, engine: Optional[dict] = None,
                kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
                progress: Optional[Callable] = None, measure: Optional[Callable] = None,
-               command: Optional[str] = None) -> dict:
+               command: Optional[str] = None, per_range=None) -> dict:
     """Measure and store the routing decisions of ``model`` (a profile name, a config
     directory or config.json) on this device, from the calibration DB ``db_path``.
 
     ``ops`` restricts the ops measured; ``seamed``: the ops a vLLM seam can route (the CLI
     passes ``integrations.vllm.ops.SEAMED_OPS``; this stage cannot import it). ``measure``
     is :func:`fltune.evaluate.e2e.run_e2e` by default (same signature; tests inject recorded
-    points). Returns the document: device, model, model key, rule, scenarios, reps, and one
-    decision per op with its evidence, as written to the DB in one transaction."""
+    points). ``per_range``: token-range edges (e.g. :data:`DEFAULT_RANGE_EDGES`): every
+    measured op is decided per range (:func:`decide_per_range`); None, one decision over the
+    whole range. Returns the document: device, model, model key, rule, scenarios, reps, and
+    one decision per op (per op and range) with its evidence, as written to the DB in one
+    transaction."""
     from . import e2e
 
     measure = measure or e2e.run_e2e
@@ -190,24 +259,36 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     scen = [_scenario_json(s) for s in scenarios]
     stack_key = devmod.stack_key(devmod.stack())
     rows = []
+    edges = sorted(set(per_range)) if per_range else None
     for op in sorted(set(to_measure) | set(all_native)):
-        if op in to_measure:
+        base = {"device_key": dev["device_key"], "driver": dev["driver"],
+                "stack_key": stack_key, "model": key, "model_name": src, "op": op,
+                "rule": RULE}
+        if op not in to_measure:
+            rows.append({**base, "decision": "native", "reason": ALL_NATIVE_REASON,
+                         "min_tokens": 1, "max_tokens": None,
+                         "evidence": {"points": [], "routed_impls": [], "command": command,
+                                      "model": src,
+                                      "winners": sorted(set(manifest.ops[op].impl_ids()))}})
+            continue
+        arm = next((a for a in (getattr(result, "arms_info", None) or {}).items()
+                    if a[0] == arm_name(op)), (None, {}))[1]
+        evidence = {"points": points[op], "scenarios": scen, "reps": reps,
+                    "warmup": warmup, "routed_impls": to_measure[op],
+                    "arm": arm_name(op), "command": command, "model": src,
+                    "effective_routes": (arm.get("counters") or {}).get(
+                        "effective_routes") if isinstance(arm, dict) else None}
+        if edges is None:
             decision, reason = decide(points[op])
-            arm = next((a for a in (getattr(result, "arms_info", None) or {}).items()
-                        if a[0] == arm_name(op)), (None, {}))[1]
-            evidence = {"points": points[op], "scenarios": scen, "reps": reps,
-                        "warmup": warmup, "routed_impls": to_measure[op],
-                        "arm": arm_name(op), "command": command, "model": src,
-                        "effective_routes": (arm.get("counters") or {}).get(
-                            "effective_routes") if isinstance(arm, dict) else None}
-        else:
-            decision, reason = "native", ALL_NATIVE_REASON
-            evidence = {"points": [], "routed_impls": [], "command": command, "model": src,
-                        "winners": sorted(set(manifest.ops[op].impl_ids()))}
-        rows.append({"device_key": dev["device_key"], "driver": dev["driver"],
-                     "stack_key": stack_key, "model": key, "model_name": src, "op": op,
-                     "decision": decision, "reason": reason, "evidence": evidence,
-                     "rule": RULE})
+            rows.append({**base, "decision": decision, "reason": reason, "evidence": evidence,
+                         "min_tokens": 1, "max_tokens": None})
+            continue
+        for lo, hi, decision, reason, mine in decide_per_range(points[op], scen, edges):
+            rows.append({**base, "decision": decision, "reason": reason,
+                         "min_tokens": lo, "max_tokens": hi,
+                         "evidence": {**evidence, "points": mine, "range_edges": edges,
+                                      "scenario_tokens": {s["name"]: scenario_tokens(s)
+                                                          for s in scen}}})
     db = CalibrationDB(db_path, create=False, write=True)
     try:
         db.record_route_decisions(rows)
@@ -217,7 +298,9 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                                                 "device_type")},
             "model": src, "model_key": key, "rule": RULE, "scenarios": scen, "reps": reps,
             "warmup": warmup, "command": command, "warnings": warnings,
-            "decisions": [{k: r[k] for k in ("op", "decision", "reason", "evidence")}
+            "range_edges": edges,
+            "decisions": [{k: r[k] for k in ("op", "decision", "reason", "evidence",
+                                             "min_tokens", "max_tokens")}
                           for r in rows]}
 
 

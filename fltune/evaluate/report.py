@@ -122,14 +122,17 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
 
 
 def route_decisions_doc(rows: list) -> list:
-    """DB rows (``CalibrationDB.route_decisions``) as the report's entries: per model and op,
-    the decision, the reason, the rule and the evidence summary (per scenario: ratio median
+    """DB rows (``CalibrationDB.route_decisions``) as the report's entries: per model, op and
+    token range (``min_tokens``..``max_tokens``, None: no bound; 1..None unless the op was
+    decided per range), the decision, the reason, the rule and the evidence summary (per scenario: ratio median
     and CI)."""
     out = []
     for r in rows:
         ev = r.get("evidence") or {}
         out.append({"model": r.get("model_name") or r["model"], "model_key": r["model"],
-                    "op": r["op"], "decision": r["decision"], "reason": r["reason"],
+                    "op": r["op"], "min_tokens": r.get("min_tokens") or 1,
+                    "max_tokens": r.get("max_tokens"),
+                    "decision": r["decision"], "reason": r["reason"],
                     "rule": r["rule"], "stack_key": r.get("stack_key"),
                     "decided_at": r.get("created_at"), "reps": ev.get("reps"),
                     "routed_impls": ev.get("routed_impls") or [],

@@ -259,29 +259,40 @@ def _native_times(timed: list[dict]) -> dict:
 
 def _route_decisions(db, dev: dict, entries: dict, warnings: list) -> list[RouteDecision]:
     """The device's model-step routing decisions (``evaluate/model_step.py``) that still
-    hold: per (model, op) the newest; dropped, with a warning, where the op's non-native
-    picks are no longer the ones the decision's arm routed (a later calibration changed
-    them) or the manifest no longer has the op."""
+    hold: per (model, op) the newest adjudication's rows (one per token range it decided:
+    ``--per-range``; one row for the whole range otherwise); dropped, with a warning, where
+    the op's non-native picks are no longer the ones the decision's arm routed (a later
+    calibration changed them) or the manifest no longer has the op."""
     newest: dict = {}
     for r in db.route_decisions(dev["device_key"], dev["driver"]):
-        newest[(r["model"], r["op"])] = r               # ordered by created_at
+        k = (r["model"], r["op"])                       # ordered by created_at
+        stamp = (r.get("stack_key"), r.get("created_at"))
+        if k not in newest or newest[k][0] != stamp:
+            newest[k] = (stamp, [])
+        newest[k][1].append(r)
     out = []
-    for (model, op), r in sorted(newest.items()):
-        ev = r.get("evidence") or {}
-        routed = sorted(ev.get("routed_impls") or [])
+    for (model, op), (_, rows) in sorted(newest.items()):
+        rows = sorted(rows, key=lambda x: x.get("min_tokens") or 1)
+        routed = sorted({i for r in rows for i in ((r.get("evidence") or {})
+                                                    .get("routed_impls") or [])})
         entry = entries.get(op)
         now = sorted({i for i in entry.impl_ids() if not is_native(i)}) if entry else []
-        if routed != now and (r["decision"] == "route" or now):
-            warnings.append(f"route decision for {op} on {r.get('model_name') or model} is "
-                            f"stale (measured routing {', '.join(routed) or 'nothing'}, the "
+        routes = any(r["decision"] == "route" for r in rows)
+        if routed != now and (routes or now):
+            warnings.append(f"route decision for {op} on {rows[0].get('model_name') or model} "
+                            f"is stale (measured routing {', '.join(routed) or 'nothing'}, the "
                             f"manifest now picks {', '.join(now) or 'nothing'}): left out; "
                             f"re-run the model-step adjudication")
             continue
-        out.append(RouteDecision(
-            model=model, op=op, decision=r["decision"], reason=r["reason"] or "",
-            rule=r["rule"] or "", model_name=r.get("model_name"), routed_impls=routed,
-            evidence=[{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low", "ci_high")}
-                      for p in ev.get("points") or []]))
+        for r in rows:
+            ev = r.get("evidence") or {}
+            out.append(RouteDecision(
+                model=model, op=op, decision=r["decision"], reason=r["reason"] or "",
+                rule=r["rule"] or "", model_name=r.get("model_name"), routed_impls=routed,
+                evidence=[{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low",
+                                                 "ci_high")}
+                          for p in ev.get("points") or []],
+                min_tokens=r.get("min_tokens") or 1, max_tokens=r.get("max_tokens")))
     return out
 
 

@@ -71,7 +71,7 @@ import sqlite_utils
 
 from ..util import has_sqlite_header
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
                             str(Path.home() / ".cache" / "fltune" / "calibration.db"))
 BUSY_TIMEOUT_MS = 60_000
@@ -85,7 +85,11 @@ MEASUREMENT_KEY = ["device_key", "driver", "stack_key", "op", "signature", "dtyp
                    "band_hi", "impl_id"]
 WINNER_KEY = ["device_key", "driver", "op", "signature", "dtype", "band_hi"]
 CROSSOVER_KEY = ["device_key", "driver", "op", "signature", "dtype", "lower_hi"]
-ROUTE_DECISION_KEY = ["device_key", "driver", "stack_key", "model", "op"]
+ROUTE_DECISION_KEY = ["device_key", "driver", "stack_key", "model", "op", "min_tokens"]
+#: (schema 6) the whole token range of a decision made before ranges: (min, max), no max
+WHOLE_RANGE = (1, None)
+#: the key of schema 4 and 5 (before ranges): what migration 3 -> 4 creates
+ROUTE_DECISION_KEY_V4 = ["device_key", "driver", "stack_key", "model", "op"]
 ENGINE_PICK_KEY = ["device_key", "driver", "model", "choice"]
 #: impl ids renamed by a migration: old -> new (v4: the standalone Inductor candidate)
 RENAMED_IMPLS = {"reference.inductor": "inductor.standalone"}
@@ -213,7 +217,7 @@ def _migrate_3_to_4(db: sqlite_utils.Database):
     db["route_decisions"].create({
         "device_key": str, "driver": str, "stack_key": str, "model": str, "model_name": str,
         "op": str, "decision": str, "reason": str, "evidence": str, "rule": str,
-        "created_at": float}, pk=ROUTE_DECISION_KEY, if_not_exists=True)
+        "created_at": float}, pk=ROUTE_DECISION_KEY_V4, if_not_exists=True)
     names = set(db.table_names())
     for old, new in RENAMED_IMPLS.items():
         for table, id_cols, text_cols in IMPL_ID_COLUMNS:
@@ -251,8 +255,42 @@ def _migrate_4_to_5(db: sqlite_utils.Database):
         db.create_view(name, sql.strip(), replace=True)
 
 
+VIEWS_V6 = {
+    "route_decisions_readable": """
+select d.name as device, r.driver as driver, r.model_name as model, r.model as model_key,
+       r.op as op, r.min_tokens as min_tokens, r.max_tokens as max_tokens,
+       r.min_tokens || '-' || coalesce(r.max_tokens, 'inf') as tokens,
+       r.decision as decision, r.reason as reason, r.rule as rule,
+       r.stack_key as stack_key, r.device_key as device_key,
+       datetime(r.created_at, 'unixepoch') as decided_utc
+from route_decisions r
+left join devices d on d.device_key = r.device_key and d.driver = r.driver""",
+}
+
+
+def _migrate_5_to_6(db: sqlite_utils.Database):
+    """Per-range route decisions: ``route_decisions`` gains the token range it covers
+    (``min_tokens``, ``max_tokens``; every older row gets the whole range, 1 to no bound)
+    and ``min_tokens`` joins its key. SQLite cannot change a primary key in place, so the
+    table is rebuilt (sqlite-utils ``transform``: copy, drop, rename, in this migration's
+    transaction); its view is dropped first and recreated with the range."""
+    db.execute("drop view if exists route_decisions_readable")
+    t = db["route_decisions"]
+    cols = {c.name for c in t.columns}
+    if "min_tokens" not in cols:
+        t.add_column("min_tokens", int)
+    if "max_tokens" not in cols:
+        t.add_column("max_tokens", int)
+    db.execute("update route_decisions set min_tokens=? where min_tokens is null",
+               [WHOLE_RANGE[0]])
+    if t.pks != ROUTE_DECISION_KEY:
+        t.transform(pk=ROUTE_DECISION_KEY, not_null={"min_tokens"})
+    for name, sql in VIEWS_V6.items():
+        db.create_view(name, sql.strip(), replace=True)
+
+
 MIGRATIONS = {0: _migrate_0_to_1, 1: _migrate_1_to_2, 2: _migrate_2_to_3,
-              3: _migrate_3_to_4, 4: _migrate_4_to_5}
+              3: _migrate_3_to_4, 4: _migrate_4_to_5, 5: _migrate_5_to_6}
 
 
 def renamed_impl(impl_id):
@@ -548,16 +586,32 @@ class CalibrationDB:
         self.record_route_decisions([row])
 
     def record_route_decisions(self, rows: list[dict]) -> None:
-        """Several decisions (one adjudication) in one transaction; a decision for the same
-        (device, driver, stack, model, op) replaces the older one."""
-        self._upsert_with_evidence("route_decisions", rows, ROUTE_DECISION_KEY)
+        """Several decisions (one adjudication) in one transaction. The rows of one
+        (device, driver, stack, model, op) replace all of that op's older rows (every range:
+        a decision split differently, or not split, leaves no stale range behind); a row
+        without a range covers the whole range (:data:`WHOLE_RANGE`)."""
+        rows = [{**r, "min_tokens": r.get("min_tokens") or WHOLE_RANGE[0],
+                 "max_tokens": r.get("max_tokens")} for r in rows]
+        with self.transaction():
+            for key in {tuple(r[k] for k in ROUTE_DECISION_KEY[:-1]) for r in rows}:
+                self.db.execute(
+                    "delete from route_decisions where " + " and ".join(
+                        f"{k}=?" for k in ROUTE_DECISION_KEY[:-1]), list(key))
+            self._upsert_with_evidence("route_decisions", rows, ROUTE_DECISION_KEY)
 
     def route_decisions(self, device_key: str, driver: str,
                         model: Optional[str] = None) -> list[dict]:
-        """The routing decisions of a device (``evidence`` decoded), of every stack, newest
-        last; none in a DB before v4."""
+        """The routing decisions of a device (``evidence`` decoded), of every stack, by
+        model, op and token range, newest last; none in a DB before v4. A DB before v6
+        (read as it is) gives every row the whole range (:data:`WHOLE_RANGE`)."""
+        if ("route_decisions" in self.db.table_names() and "min_tokens" not in
+                {c.name for c in self.db["route_decisions"].columns}):
+            rows = self._with_evidence("route_decisions", device_key, driver, model,
+                                       "model, op, created_at")
+            return [{**r, "min_tokens": WHOLE_RANGE[0], "max_tokens": WHOLE_RANGE[1]}
+                    for r in rows]
         return self._with_evidence("route_decisions", device_key, driver, model,
-                                   "model, op, created_at")
+                                   "model, op, created_at, min_tokens")
 
     # ---- engine-wide picks (schema 5) --------------------------------------------------
     def record_engine_picks(self, rows: list[dict]) -> None:

@@ -187,6 +187,9 @@ def before_load_model(runner) -> None:
         if fd is None or fd.fingerprint != plan.fingerprint:
             fd = frozen.freeze_dispatch(plan.manifest)
         cfg = runner.vllm_config
+        # per-range decisions read the served engine's compile mode (range_lowering)
+        from . import range_lowering
+        range_lowering.bind(cfg)
         # the served model: its model-step route decisions apply (plugin.Plan.route_verdict)
         key = served_model_key(cfg)
         if key is not None and key != plan.model:
@@ -218,10 +221,11 @@ def before_load_model(runner) -> None:
             extra.pop(ROUTE_CONFIG_KEY, None)
         # only the layers that route something are replaced (see ops.needed_layers)
         ops.unregister_layers(keep=ops.needed_layers(routes))
-        if linear_seam.OP in routes:
-            # before the model's VllmBackend copies the Inductor config (linear_lowering)
-            from . import linear_lowering
-            linear_lowering.install(plan, cfg)
+        # before the model's VllmBackend copies the Inductor config: linear lowered per
+        # compile range (linear_lowering) and per-range decisions (range_lowering: compile
+        # ranges at their edges, vLLM's native path in the ranges decided native)
+        from . import range_lowering
+        range_lowering.install(plan, cfg, routes)
         RECORD.update(pid=os.getpid(), fingerprint=fd.fingerprint, source=plan.source,
                       compiled_with_inductor=compiled, route_mode=plan.route,
                       effective_routes=routes,
@@ -231,6 +235,9 @@ def before_load_model(runner) -> None:
                                          for k in plan.routed if k not in routes},
                       model_key=plan.model,
                       route_decisions={op: d.decision for op, d in sorted(decisions.items())},
+                      # per-range decisions served: op -> the ranges left to vLLM's path
+                      native_ranges={op: plan.native_ranges(op) for op in routes
+                                     if plan.native_ranges(op)},
                       native=list(plan.native), unseamed=list(plan.unseamed),
                       additional_config=_jsonable(extra),
                       config_hash={"before": hash_before, "after": _config_hash(cfg)},

@@ -85,10 +85,13 @@ class LinearLoweringPass(_lowering_base()):
     """vLLM ``InductorPass``: in a graph compiled for a token range, replaces every
     ``fltune.linear`` node whose table picks vLLM's path for all rows of the range."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, native_ranges=None):
         from ...dispatch.manifest import is_native
 
         self.fingerprint = plan.fingerprint
+        #: token ranges [(min, max or None)] where a per-range model-step decision says
+        #: native (``range_lowering``): lowered there whatever the bands pick
+        self.native_ranges = [tuple(r) for r in native_ranges or ()]
         self.tables = _tables(plan)
         entry = plan.typed.ops.get(OP)
         self.fallback_native = bool(entry is not None and is_native(entry.fallback))
@@ -98,14 +101,18 @@ class LinearLoweringPass(_lowering_base()):
     def uuid(self):
         with open(__file__, "rb") as f:           # the whole module: helpers included
             src = hashlib.sha256(f.read()).hexdigest()
-        return hashlib.sha256(f"{src}|fltune-manifest:{self.fingerprint}"
+        tag = f"|native:{self.native_ranges}" if self.native_ranges else ""
+        return hashlib.sha256(f"{src}|fltune-manifest:{self.fingerprint}{tag}"
                               .encode()).hexdigest()
 
     def native_for(self, key, start: int, end: int) -> bool:
         """Whether every row count the token range [start, end] can give picks vLLM's path
-        in the table ``key`` (the fallback where there is none)."""
+        in the table ``key`` (the fallback where there is none), or the range lies in one
+        decided native by a per-range model-step decision."""
         from ...dispatch.manifest import is_native
 
+        if any(lo <= start and (hi is None or end <= hi) for lo, hi in self.native_ranges):
+            return True
         hit = self.tables.get(key)
         if hit is None:
             return self.fallback_native
@@ -184,7 +191,8 @@ def why_not(vllm_config) -> Optional[str]:
     if not _vllm_gemm_is_f_linear(vllm_config):
         return "vLLM's unquantized GEMM here is not F.linear"
     have = cc.inductor_compile_config.get(PASS_KEY)
-    if have is not None and not isinstance(have, LinearLoweringPass):
+    from .range_lowering import RangeLoweringPass
+    if have is not None and not isinstance(have, (LinearLoweringPass, RangeLoweringPass)):
         return f"{PASS_KEY} already holds {type(have).__name__}"
     return None
 

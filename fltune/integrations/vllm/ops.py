@@ -122,6 +122,33 @@ def is_routed(op_name: str) -> bool:
     return plan.routes(op_name, compiled_with_inductor())
 
 
+def native_ranges(op_name: str) -> tuple:
+    """Token ranges [(min, max or None)] in which the plan routes ``op_name`` but the served
+    model's per-range decision says native (``plugin.Plan.native_ranges``); empty when the
+    op is routed at every size."""
+    plan = _plan
+    return tuple(plan.native_ranges(op_name)) if plan is not None else ()
+
+
+_rows_per_token: dict = {}
+
+
+def tokens_of(op_name: str, x) -> int:
+    """Tokens of a call whose key tensor ``x`` is 2-D (rows = tokens x the op's table's
+    ``rows_per_token``: q/k norms run per head)."""
+    rows = int(x.shape[0])
+    key = (op_name, x.dtype, tuple(x.shape[1:]))
+    rpt = _rows_per_token.get(key)
+    if rpt is None:
+        from ...ops import DTYPE_NAMES
+
+        plan = _plan
+        t = (plan.typed.table_for(op_name, DTYPE_NAMES.get(x.dtype, ""), tuple(x.shape[1:]))
+             if plan is not None and plan.typed is not None else None)
+        rpt = _rows_per_token[key] = max(1, int(t.rows_per_token if t is not None else 1))
+    return rows // rpt
+
+
 def _frozen_dispatch() -> frozen.FrozenDispatch:
     fd = frozen.current()
     if fd is not None:
@@ -307,11 +334,28 @@ class SeamMixin:
                             "vLLM's path", ", ".join(sorted(routes)), type(self).name)
             routes = frozenset()
         self._fltune_routes = routes
+        # per-range decisions (range_lowering): in eager mode a call in a range decided
+        # native goes to vLLM's own forward; traced, the graph keeps fltune's node and the
+        # compile range decides (the plan routes a split op only where that works)
+        from .range_lowering import traced
+        self._fltune_split = ({} if not routes or traced() else
+                              {op: native_ranges(op) for op in routes if native_ranges(op)})
         return self._fltune_forward if routes else native
 
     @property
     def fltune_routes(self) -> frozenset:
         return getattr(self, "_fltune_routes", frozenset())
+
+    def _fltune_takes(self, op: str, x2d) -> bool:
+        """Whether this call of ``op`` (key tensor ``x2d``, 2-D) goes to fltune: routed, and
+        its token count is not in a range decided native (eager per-range decisions)."""
+        if op not in self._fltune_routes:
+            return False
+        split = getattr(self, "_fltune_split", None)
+        if not split or op not in split:
+            return True
+        from .range_lowering import in_ranges
+        return not in_ranges(tokens_of(op, x2d), split[op])
 
 
 def _norm_classes() -> dict:
@@ -325,13 +369,14 @@ def _norm_classes() -> dict:
         def _fltune_forward(self, x, residual=None):
             plain = self.has_weight and self.variance_size_override is None
             if residual is None:
-                if plain and "rms_norm" in self._fltune_routes:
-                    out = torch.ops.fltune.rms_norm(x.reshape(-1, x.shape[-1]),
-                                                    self.weight.data, self.variance_epsilon)
+                x2 = x.reshape(-1, x.shape[-1])
+                if plain and self._fltune_takes("rms_norm", x2):
+                    out = torch.ops.fltune.rms_norm(x2, self.weight.data,
+                                                    self.variance_epsilon)
                     return out.view(x.shape)
                 return self._fltune_native(x)
-            if (plain and "fused_add_rms_norm" in self._fltune_routes and x.dim() == 2
-                    and residual.dim() == 2):
+            if (plain and x.dim() == 2 and residual.dim() == 2
+                    and self._fltune_takes("fused_add_rms_norm", x)):
                 torch.ops.fltune.fused_add_rms_norm(x, residual, self.weight.data,
                                                     self.variance_epsilon)
                 return x, residual
@@ -343,13 +388,13 @@ def _norm_classes() -> dict:
 
         def _fltune_forward(self, x, residual=None):
             if residual is None:
-                if "gemma_rms_norm" in self._fltune_routes:
-                    out = torch.ops.fltune.gemma_rms_norm(x.reshape(-1, x.shape[-1]),
-                                                          self.weight.data,
+                x2 = x.reshape(-1, x.shape[-1])
+                if self._fltune_takes("gemma_rms_norm", x2):
+                    out = torch.ops.fltune.gemma_rms_norm(x2, self.weight.data,
                                                           self.variance_epsilon)
                     return out.view(x.shape)
                 return self._fltune_native(x)
-            if "gemma_fused_add_rms_norm" in self._fltune_routes:
+            if self._fltune_takes("gemma_fused_add_rms_norm", x.reshape(-1, x.shape[-1])):
                 shape = x.shape
                 out, res = torch.ops.fltune.gemma_fused_add_rms_norm(
                     x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
@@ -366,7 +411,8 @@ def _norm_classes() -> dict:
 
         def _fltune_forward(self, x, z=None):
             if (z is None or getattr(self, "bias", None) is not None
-                    or self.activation not in ("silu", "swish") or z.shape != x.shape):
+                    or self.activation not in ("silu", "swish") or z.shape != x.shape
+                    or not self._fltune_takes("rms_norm_gated", x.reshape(-1, x.shape[-1]))):
                 return self._fltune_native(x, z)
             shape = x.shape
             out = torch.ops.fltune.rms_norm_gated(
@@ -389,6 +435,8 @@ def _activation_classes() -> dict:
 
         def _fltune_forward(self, x):
             shape = x.shape
+            if not self._fltune_takes("silu_and_mul", x.reshape(-1, shape[-1])):
+                return self._fltune_native(x)
             out = torch.ops.fltune.silu_and_mul(x.reshape(-1, shape[-1]))
             return out.view(shape[:-1] + (shape[-1] // 2,))
 
@@ -398,7 +446,7 @@ def _activation_classes() -> dict:
 
         def _fltune_forward(self, x):
             op = "gelu_and_mul" if self.approximate == "none" else "gelu_tanh_and_mul"
-            if op not in self._fltune_routes:
+            if not self._fltune_takes(op, x.reshape(-1, x.shape[-1])):
                 return self._fltune_native(x)
             shape = x.shape
             out = TORCH_OPS[op](x.reshape(-1, shape[-1]))
@@ -418,7 +466,8 @@ def _rope_classes() -> dict:
         _fltune_layer = "RotaryEmbedding"
 
         def _fltune_forward(self, positions, query, key=None):
-            if positions.dim() != 1 or query.dim() != 2 or key is None or key.dim() != 2:
+            if (positions.dim() != 1 or query.dim() != 2 or key is None or key.dim() != 2
+                    or not self._fltune_takes("rotary_embedding", query)):
                 return self._fltune_native(positions, query, key)   # outside the contract
             cos_sin_cache = self._match_cos_sin_cache_dtype(query)
             torch.ops.fltune.rotary_embedding(positions, query, key, self.head_size,
@@ -434,7 +483,8 @@ def _rope_classes() -> dict:
         def _fltune_forward(self, positions, query, key=None, offsets=None):
             if (positions.dim() != 2 or key is None or offsets is not None
                     or not self.mrope_section or not self.is_neox_style
-                    or query.dim() != 2 or key.dim() != 2):
+                    or query.dim() != 2 or key.dim() != 2
+                    or not self._fltune_takes("mrope", query)):
                 return self._fltune_native(positions, query, key, offsets)
             cos_sin_cache = self._match_cos_sin_cache_dtype(query)
             torch.ops.fltune.mrope(positions, query, key, self.head_size, cos_sin_cache,

@@ -178,6 +178,8 @@ class Plan:
             if d is None:
                 return False, ("model-step: no decision for this op (the model's others were "
                                "measured): vLLM's path")
+            if d.mixed:
+                return self._per_range_verdict(op_name, d)
             return d.routes, f"model-step {d.decision} ({d.rule}): {d.reason}"
         if op_name in linear_seam.DECISION_ONLY_OPS:
             return False, ("unmeasured: routed only on a model-step decision 'route' "
@@ -188,6 +190,30 @@ class Plan:
         estimate = f"; the launch-floor estimate alone: {verdict.why}" if verdict else ""
         return False, (f"unmeasured; compiled: vLLM's path until a model-step decision says "
                        f"route (`{adjudicate_hint(self, self.model)}`){estimate}")
+
+    def _per_range_verdict(self, op_name: str, d) -> tuple:
+        """An op decided per token range, route in some ranges and native in others
+        (``range_lowering``): routed, with vLLM's path in the native ranges, where this vLLM
+        configuration can serve that; else routed only if every range routes (it does not)."""
+        from . import range_lowering
+
+        routed = ", ".join(r.range_text() for r in d.ranges if r.routes)
+        native = ", ".join(r.range_text() for r in d.ranges if not r.routes)
+        why = range_lowering.per_range_problem(op_name)
+        if why is None:
+            return True, (f"model-step per range ({d.rule}): routed at {routed} tokens, "
+                          f"vLLM's path at {native} ({d.reason})")
+        return False, (f"model-step per range ({d.rule}): route at {routed} tokens, native "
+                       f"at {native}, but {why}: routed only where every range routes, so "
+                       f"vLLM's path ({d.reason})")
+
+    def native_ranges(self, op_name: str) -> list:
+        """[(min, max or None)]: the token ranges where ``op_name``, routed, goes to vLLM's
+        path by a per-range decision ('auto' only: ``ops:``/``all`` route every size)."""
+        if self.route != "auto":
+            return []
+        d = self.decisions().get(op_name)
+        return d.native_ranges() if d is not None and d.mixed else []
 
     def routes(self, op_name: str, compiled: bool) -> bool:
         """Whether ``op_name`` goes through fltune's custom op in this vLLM configuration."""
@@ -420,6 +446,10 @@ def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
                 # the served model is not known here: each decided model's verdict
                 for key, name in sorted(decided.items()):
                     d = typed.decisions_for(key).get(op_name)
+                    if d is not None and d.mixed:
+                        whys.append(f"{name}: per range: " + ", ".join(
+                            f"{r.range_text()} {r.decision}" for r in d.ranges))
+                        continue
                     whys.append(f"{name}: " + (f"{d.decision} ({d.reason})" if d else
                                                "no decision: vLLM's path"))
                 verdict = plan.fusion.get(op_name)
@@ -427,8 +457,9 @@ def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
                     whys.append(f"another model (unmeasured; compiled): {verdict.why}")
             else:
                 ok, why = plan.route_verdict(op_name, True if compiled is None else compiled)
-                state = ("routed" if ok else "native (decided)" if why.startswith("model-step")
-                         else "not routed")
+                state = ("routed" if ok and not why.startswith("model-step per range") else
+                         "routed per range" if ok else
+                         "native (decided)" if why.startswith("model-step") else "not routed")
                 if compiled is None and why.startswith("unmeasured; compiled"):
                     state += " (compiled)"     # eager: routed
                 whys.append(why)
@@ -546,6 +577,8 @@ def _reset_for_tests() -> None:
         from . import ir_provider
         ir_provider.uninstall()
         frozen.thaw_dispatch()
+        from . import range_lowering
+        range_lowering.bind(None)
         STATUS.update(state=None, error=None, source=None)
 
 
