@@ -25,7 +25,7 @@ import time
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default="Qwen3-0.6B")
-    ap.add_argument("--arm", required=True, help="a label; 'off' removes every FLTUNE_* variable")
+    ap.add_argument("--arm", required=True, help="a label; 'off' or 'off-...' removes every FLTUNE_* variable")
     ap.add_argument("--out", default="out")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -42,7 +42,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     tag = f"{os.path.basename(os.path.normpath(a.profile))}-{a.arm}"
-    if a.arm == "off":
+    if a.arm.split("-")[0] == "off":     # off, off-compiled: plugin inert
         for k in [k for k in os.environ if k.startswith("FLTUNE_")]:
             del os.environ[k]
     else:

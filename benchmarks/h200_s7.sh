@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Session 7 on the H200: issue 13 (the vLLM IR route and the SGLang bridge) on the GPU.
+# vLLM 0.24 staged in /tmp/vsite, SGLang 0.5.17 in /tmp/sgstage (scripts/stage-sglang.sh),
+# .whl carried with a fresh fltune wheel; one phase per device call; state under /tmp/s7
+# (kept while the machine is warm). Every phase packs what it wrote into $OUT/PHASE.tgz
+# (a device call brings back at most 8 files).
+#   PHASE=irchk  one engine per model through FLTUNE_SEAM=ir (benchmarks/ir_check.py):
+#                vLLM's priority list and IR state, counters, greedy tokens against plugin-off.
+#                Qwen3-0.6B with ROUTE=ops:fused_add_rms_norm,rms_norm and compile ranges at
+#                the manifest's native/other edges; Qwen3.5-0.8B with the default route.
+#   PHASE=ir     the in-context instrument with the IR route as an arm (benchmarks/ir_e2e.py)
+#                for PROFILE (Qwen3-0.6B: ARMS vanilla,aa,ir; ENDPOINTS=auto).
+#   PHASE=sgab   SGLang with the in-context method (benchmarks/sglang_ab.py): vanilla, A/A,
+#                fltune's default route, alternated, REPS repetitions.
+#   PHASE=sgc    SGLang --enable-torch-compile, plugin off vs FLTUNE_ROUTE=all
+#                (benchmarks/h200_sglang.py): tokens and counters inside compiled graphs.
+source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
+export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
+export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
+mkdir -p /tmp/s7
+P=${PROFILE:-Qwen3-0.6B}
+M=/tmp/s7/manifest.json
+t0=$(date +%s)
+el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
+[ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
+W=/tmp/s7/${PHASE:-irchk}-$P; mkdir -p "$W"
+pack() { tar -czf "$OUT/${PHASE:-irchk}-${P}.tgz" -C "$(dirname "$W")" "$(basename "$W")"; }
+sgl_install() {
+  if [ ! -d /tmp/sgsite/sglang ]; then
+    ( cd /tmp/sgstage \
+      && for w in $(ls *.part000 2>/dev/null); do b=${w%.part000}; cat $(ls "$b".part* | sort) > "$b" && rm "$b".part*; done \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sgsite ./*.whl ) \
+      || { echo "installing the staged SGLang failed (scripts/stage-sglang.sh)"; exit 1; }
+  fi
+  export PYTHONPATH=/tmp/site:/tmp/sgsite:$PWD:/tmp/vsite SGLANG_PLUGINS=fltune
+}
+case ${PHASE:-irchk} in
+irchk) {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
+  EDGES=$(python3 - $M <<'PY'
+import json, sys
+from fltune.dispatch.manifest import is_native
+e = set()
+for op in ("rms_norm", "fused_add_rms_norm"):
+    for t in json.load(open(sys.argv[1]))["ops"].get(op, {}).get("tables", []):
+        for a, b in zip(t["bands"], t["bands"][1:]):
+            if is_native(a["impl_id"]) != is_native(b["impl_id"]):
+                e.add(a["hi"])
+print(json.dumps(sorted(e)))
+PY
+)
+  echo "edges $EDGES"
+  export VLLM_ENABLE_V1_MULTIPROCESSING=0
+  el "Qwen3-0.6B plugin off"
+  timeout 200 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-off.json" "$EDGES" > "$W/qwen3-off.log" 2>&1; echo rc=$?
+  el "Qwen3-0.6B IR"
+  FLTUNE_MANIFEST=$M FLTUNE_SEAM=ir FLTUNE_STRICT=1 FLTUNE_ROUTE=ops:fused_add_rms_norm,rms_norm \
+    timeout 220 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-ir.json" "$EDGES" > "$W/qwen3-ir.log" 2>&1; echo rc=$?
+  tail -40 "$W/qwen3-ir.log" | grep -v "^\s*$" | tail -30
+  el "Qwen3.5 IR (default route)"
+  FLTUNE_MANIFEST=$M FLTUNE_SEAM=ir FLTUNE_STRICT=1 \
+    timeout 200 python3 benchmarks/ir_check.py Qwen3.5-0.8B "$W/qwen35-ir.json" > "$W/qwen35-ir.log" 2>&1; echo rc=$?
+  tail -12 "$W/qwen35-ir.log"
+  python3 - "$W" <<'PY'
+import json, os, sys
+w = sys.argv[1]
+d = {f: json.load(open(os.path.join(w, f))) for f in os.listdir(w) if f.endswith(".json")}
+if "qwen3-off.json" in d and "qwen3-ir.json" in d:
+    print("Qwen3-0.6B IR tokens equal plugin-off:", d["qwen3-ir.json"]["tokens"] == d["qwen3-off.json"]["tokens"])
+PY
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+ir) {
+  el "ir_e2e $P"
+  ARMS=${ARMS:-vanilla,aa,ir} ENDPOINTS=${ENDPOINTS:-auto} REPS=${REPS:-8} \
+    timeout ${TIMEOUT:-560} python3 benchmarks/ir_e2e.py "$P" $M "$W"; echo rc=$?
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
+sgab) {
+  sgl_install
+  python3 -c "import torch, sglang, sgl_kernel; print('torch', torch.__version__, '| sglang', sglang.__version__, '| sgl_kernel', sgl_kernel.__version__)"
+  el "sglang A/B $P"
+  FLTUNE_MANIFEST=$M FLTUNE_STRICT=1 timeout ${TIMEOUT:-540} python3 benchmarks/sglang_ab.py \
+    --profile "$P" --reps ${REPS:-10} --warmup 2 --arm off=off --arm aa=off --arm auto=auto \
+    ${SGARMS:-} --out "$W"; echo rc=$?
+  el done
+} 2>&1 | tee "$W/log"; cp "$W/sglang-ab.json" "$OUT/" 2>/dev/null; pack ;;
+sgc) {
+  sgl_install
+  export FLTUNE_MANIFEST=$M FLTUNE_STRICT=1
+  el "sglang compiled, off"
+  timeout 260 python3 benchmarks/h200_sglang.py --profile "$P" --arm off-compiled --torch-compile --reps 3 --out "$W" \
+    || echo "off-compiled failed"
+  el "sglang compiled, all routed"
+  FLTUNE_ROUTE=all timeout 260 python3 benchmarks/h200_sglang.py --profile "$P" --arm on-compiled --torch-compile --reps 3 --out "$W" \
+    || echo "on-compiled failed"
+  python3 - "$W" <<'PY'
+import glob, json, os, sys
+d = {json.load(open(f))["arm"]: json.load(open(f)) for f in glob.glob(os.path.join(sys.argv[1], "sglang-*.json"))}
+if "off-compiled" in d and "on-compiled" in d:
+    print("tokens equal (compiled):", d["on-compiled"]["tokens"] == d["off-compiled"]["tokens"])
+    for k, v in d.items():
+        print(k, "tok/s", v["output_tok_per_s"], "init_s", v["init_s"])
+PY
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+esac
