@@ -96,10 +96,17 @@ def _counts(path) -> dict:
         con.close()
 
 
+#: the columns of schema 4's route_decisions (schema 6 adds the token range to each row)
+ROUTE_DECISIONS_V4 = ("device_key, driver, stack_key, model, model_name, op, decision, reason, "
+                      "evidence, rule, created_at")
+
+
 def _rows(path) -> dict:
     con = sqlite3.connect(path)
     try:
-        return {t: sorted(map(repr, con.execute(f"select * from {t}"))) for t in TABLES_V4}
+        return {t: sorted(map(repr, con.execute(
+            f"select {ROUTE_DECISIONS_V4 if t == 'route_decisions' else '*'} from {t}")))
+            for t in TABLES_V4}
     finally:
         con.close()
 

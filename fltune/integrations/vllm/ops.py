@@ -134,8 +134,18 @@ _rows_per_token: dict = {}
 
 
 def tokens_of(op_name: str, x) -> int:
-    """Tokens of a call whose key tensor ``x`` is 2-D (rows = tokens x the op's table's
-    ``rows_per_token``: q/k norms run per head)."""
+    """Tokens of the step a call runs in: vLLM's forward context's batch descriptor where it
+    has one (the step's token count, padded as vLLM pads it); else from the call's key tensor
+    ``x`` (2-D): rows = tokens x the op's table's ``rows_per_token`` (q/k norms run per head;
+    a k norm with fewer heads than the table's q reads low by the GQA ratio)."""
+    try:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+        if is_forward_context_available():
+            bd = get_forward_context().batch_descriptor
+            if bd is not None and bd.num_tokens:
+                return int(bd.num_tokens)
+    except Exception:
+        pass
     rows = int(x.shape[0])
     key = (op_name, x.dtype, tuple(x.shape[1:]))
     rpt = _rows_per_token.get(key)
