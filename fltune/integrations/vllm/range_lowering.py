@@ -85,10 +85,12 @@ def _mode():
 def traced() -> bool:
     """Whether the vLLM being configured traces the model (any compilation mode but NONE;
     True when no vLLM model is being served here: nothing may branch per call then)."""
+    if _engine is None:
+        return True
     from vllm.config import CompilationMode
 
     mode, _ = _mode()
-    return _engine is None or mode != CompilationMode.NONE
+    return mode != CompilationMode.NONE
 
 
 def has_pass_manager() -> bool:
@@ -132,7 +134,10 @@ def _native_fns() -> dict:
 
 
 def _base():
-    from vllm.compilation.passes.inductor_pass import InductorPass
+    try:
+        from vllm.compilation.passes.inductor_pass import InductorPass
+    except ImportError:                   # another engine reading the plan (no vLLM here)
+        return object
     return InductorPass
 
 
