@@ -62,6 +62,21 @@ def test_ranges_and_scenario_tokens():
             ms.parse_range_edges(bad)
 
 
+def test_per_range_bands_splits_at_each_ops_native_edges():
+    """``--per-range bands``: an op whose frozen bands switch between vLLM's path and another
+    pick splits there (silu_and_mul: vLLM's kernel up to 4 rows, the reference above); an
+    op without such an edge at the default 512."""
+    from test_vllm_plugin import routed_manifest
+
+    from fltune.dispatch.manifest import Manifest
+    from fltune.evaluate import model_step as ms
+
+    m = Manifest.from_json(routed_manifest())
+    assert ms.band_edges(m, "silu_and_mul") == [4]
+    assert ms.band_edges(m, "rms_norm") == [512]
+    assert ms.parse_range_edges(" Bands ") == ms.BANDS
+
+
 def test_decide_per_range_routes_decode_and_leaves_prefill_native():
     """One arm's points split by range: faster at decode (kernel CI above the floor), slower
     wall at prefill: the whole-range rule says native (mixed), per range route | native."""
@@ -276,6 +291,13 @@ def test_adjudicate_per_range_writes_ranges_and_freeze_carries_them(cal_db, tmp_
         if r["op"] == "rms_norm" and r["min_tokens"] == 1:
             r["max_tokens"] = 256
     assert fingerprint_of(moved) != m["fingerprint"]
+    # per the ops' own band edges: none here (one band each), so the default 512
+    doc_b = model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=3,
+                                  warmup=1, command="test", per_range=model_step.BANDS,
+                                  measure=_measure(VERDICTS, []))
+    assert {(d["op"], d["min_tokens"], d["max_tokens"], d["decision"])
+            for d in doc_b["decisions"] if d["op"] == "rms_norm"} == {
+        ("rms_norm", 1, 512, "route"), ("rms_norm", 513, None, "native")}
     # a whole-range adjudication later replaces the split rows
     model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=3, warmup=1,
                           command="test", measure=_measure(VERDICTS, []))

@@ -1012,8 +1012,10 @@ def _add_verify(sub) -> None:
                        str(e) for e in _DEFAULT_RANGE_EDGES), metavar="EDGES",
                    help="decide each op per token range (vLLM compiles one graph per range): "
                         "the same arm's points split by each scenario's tokens per step at "
-                        "these comma-separated edges (default 512: decode vs prefill); "
-                        "serving routes the op only in the ranges decided route")
+                        "these comma-separated edges (default 512: decode vs prefill), or "
+                        "'bands': each op's frozen bands' edges between vLLM's path and "
+                        "another pick; serving routes the op only in the ranges decided "
+                        "route")
     g = c.add_argument_group("engine-wide choices (instead of the per-op routing)")
     g.add_argument("--engine-choice", action="append", metavar="NAME[=V1,V2]",
                    help="measure an engine-wide vLLM setting instead: one arm per value "

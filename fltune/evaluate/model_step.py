@@ -49,7 +49,8 @@ a prefill scenario batch x prompt length) into the ranges between the edges, and
 ``native`` (unmeasured). This reads each scenario's own point as the evidence for its range,
 which assumes no interaction across ranges: it holds because each range is its own compiled
 graph (a step runs exactly one of them), so routing the op in one range changes nothing in
-another's. The default split, :data:`DEFAULT_RANGE_EDGES` (512: decode at or below, prefill
+another's. ``--per-range bands`` splits each op at its own frozen bands' edges between
+vLLM's path and another pick (:func:`band_edges`). The default split, :data:`DEFAULT_RANGE_EDGES` (512: decode at or below, prefill
 above), is vLLM's default largest CUDA-graph capture size: up to it vLLM replays captured
 graphs and a routed op's host cost is paid once at capture; above it every call pays it
 (README, "linear (GEMMs)": on the H200 the routed GEMMs cut decode kernel time 22 % while
@@ -101,8 +102,28 @@ def token_ranges(edges) -> list:
     return list(zip(los, edges + [None]))
 
 
-def parse_range_edges(text) -> tuple:
-    """``--per-range`` value: comma-separated token counts (``512``, ``512,4096``)."""
+#: ``--per-range bands``: each op's own edges from the manifest (:func:`band_edges`)
+BANDS = "bands"
+
+
+def band_edges(manifest: Manifest, op: str) -> list:
+    """The token counts where ``op``'s frozen bands switch between vLLM's own path and
+    another pick (the edges ``fltune serve`` names for compile ranges): ``--per-range bands``
+    splits there, and at :data:`DEFAULT_RANGE_EDGES` where the op has none."""
+    edges = set()
+    entry = manifest.ops.get(op)
+    for t in (entry.tables if entry else []):
+        for a, b in zip(t.bands, t.bands[1:]):
+            if is_native(a.impl_id) != is_native(b.impl_id):
+                edges.add(int(a.hi))
+    return sorted(edges) or list(DEFAULT_RANGE_EDGES)
+
+
+def parse_range_edges(text):
+    """``--per-range`` value: comma-separated token counts (``512``, ``512,4096``), or
+    ``bands`` (:func:`band_edges`, per op)."""
+    if str(text).strip().lower() == BANDS:
+        return BANDS
     try:
         edges = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
     except ValueError:
@@ -216,8 +237,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     ``ops`` restricts the ops measured; ``seamed``: the ops a vLLM seam can route (the CLI
     passes ``integrations.vllm.ops.SEAMED_OPS``; this stage cannot import it). ``measure``
     is :func:`fltune.evaluate.e2e.run_e2e` by default (same signature; tests inject recorded
-    points). ``per_range``: token-range edges (e.g. :data:`DEFAULT_RANGE_EDGES`): every
-    measured op is decided per range (:func:`decide_per_range`); None, one decision over the
+    points). ``per_range``: token-range edges (e.g. :data:`DEFAULT_RANGE_EDGES`), or
+    :data:`BANDS` (each op's own, :func:`band_edges`): every measured op is decided per range (:func:`decide_per_range`); None, one decision over the
     whole range. Returns the document: device, model, model key, rule, scenarios, reps, and
     one decision per op (per op and range) with its evidence, as written to the DB in one
     transaction."""
@@ -259,7 +280,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     scen = [_scenario_json(s) for s in scenarios]
     stack_key = devmod.stack_key(devmod.stack())
     rows = []
-    edges = sorted(set(per_range)) if per_range else None
+    edges = (None if not per_range else BANDS if per_range == BANDS
+             else sorted(set(per_range)))
     for op in sorted(set(to_measure) | set(all_native)):
         base = {"device_key": dev["device_key"], "driver": dev["driver"],
                 "stack_key": stack_key, "model": key, "model_name": src, "op": op,
@@ -283,10 +305,11 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             rows.append({**base, "decision": decision, "reason": reason, "evidence": evidence,
                          "min_tokens": 1, "max_tokens": None})
             continue
-        for lo, hi, decision, reason, mine in decide_per_range(points[op], scen, edges):
+        op_edges = band_edges(manifest, op) if edges == BANDS else edges
+        for lo, hi, decision, reason, mine in decide_per_range(points[op], scen, op_edges):
             rows.append({**base, "decision": decision, "reason": reason,
                          "min_tokens": lo, "max_tokens": hi,
-                         "evidence": {**evidence, "points": mine, "range_edges": edges,
+                         "evidence": {**evidence, "points": mine, "range_edges": op_edges,
                                       "scenario_tokens": {s["name"]: scenario_tokens(s)
                                                           for s in scen}}})
     db = CalibrationDB(db_path, create=False, write=True)
