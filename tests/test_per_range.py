@@ -194,8 +194,6 @@ def _measure(per_arm: dict, calls: list):
     return measure
 
 
-SCEN = None
-
 
 def _scenarios():
     from fltune.evaluate.e2e import Scenario

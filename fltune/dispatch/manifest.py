@@ -308,7 +308,7 @@ def combine_ranges(rows: list) -> "RouteDecision":
     if every or not any(r.routes for r in rows):
         reason = f"per range: {per}"
     else:
-        reason = (f"per range, routed only in " + ", ".join(
+        reason = ("per range, routed only in " + ", ".join(
             r.range_text() for r in rows if r.routes) + f": {per}")
     return RouteDecision(
         model=first.model, op=first.op, decision="route" if every else "native",
