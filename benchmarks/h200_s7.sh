@@ -53,14 +53,14 @@ PY
   echo "edges $EDGES"
   export VLLM_ENABLE_V1_MULTIPROCESSING=0
   el "Qwen3-0.6B plugin off"
-  timeout 200 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-off.json" "$EDGES" > "$W/qwen3-off.log" 2>&1; echo rc=$?
+  timeout 160 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-off.json" "$EDGES" > "$W/qwen3-off.log" 2>&1; echo rc=$?
   el "Qwen3-0.6B IR"
   FLTUNE_MANIFEST=$M FLTUNE_SEAM=ir FLTUNE_STRICT=1 FLTUNE_ROUTE=ops:fused_add_rms_norm,rms_norm \
-    timeout 220 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-ir.json" "$EDGES" > "$W/qwen3-ir.log" 2>&1; echo rc=$?
+    timeout 200 python3 benchmarks/ir_check.py Qwen3-0.6B "$W/qwen3-ir.json" "$EDGES" > "$W/qwen3-ir.log" 2>&1; echo rc=$?
   tail -40 "$W/qwen3-ir.log" | grep -v "^\s*$" | tail -30
   el "Qwen3.5 IR (default route)"
   FLTUNE_MANIFEST=$M FLTUNE_SEAM=ir FLTUNE_STRICT=1 \
-    timeout 200 python3 benchmarks/ir_check.py Qwen3.5-0.8B "$W/qwen35-ir.json" > "$W/qwen35-ir.log" 2>&1; echo rc=$?
+    timeout 170 python3 benchmarks/ir_check.py Qwen3.5-0.8B "$W/qwen35-ir.json" > "$W/qwen35-ir.log" 2>&1; echo rc=$?
   tail -12 "$W/qwen35-ir.log"
   python3 - "$W" <<'PY'
 import json, os, sys

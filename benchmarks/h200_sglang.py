@@ -51,6 +51,8 @@ def main():
         os.environ.setdefault("FLTUNE_COUNTERS_INTERVAL", "0.5")
     import sglang as sgl
 
+    from sglang_ab import graph_bs_kwargs     # this folder (the script's own, on sys.path)
+
     from fltune.evaluate.model_dir import model_dir
 
     t0 = time.time()
@@ -58,7 +60,7 @@ def main():
                      skip_tokenizer_init=True, dtype="bfloat16", context_length=a.context_length,
                      mem_fraction_static=a.mem_fraction, random_seed=0,
                      **({"device": a.device} if a.device else
-                        {"cuda_graph_max_bs": max(a.cuda_graph_max_bs, a.batch)}),
+                        graph_bs_kwargs(max(a.cuda_graph_max_bs, a.batch))),
                      attention_backend=a.attention_backend,
                      enable_torch_compile=a.torch_compile, log_level="warning")
     init_s = time.time() - t0

@@ -47,6 +47,22 @@ SCENARIOS = {  # name: (batch, prompt tokens, output tokens)
 TOKENS_CHECK = (8, 16, 32)
 
 
+def graph_bs_kwargs(max_bs: int) -> dict:
+    """The largest decode batch SGLang captures, under the installed version's name:
+    ``cuda_graph_max_bs_decode`` (0.5.17 on the H200, 0.5.21 here: ``cuda_graph_max_bs``,
+    which the first version of this script passed, was refused on the H200, 2026-12-01) or
+    the older ``cuda_graph_max_bs``; {} where neither exists (SGLang's default). ServerArgs
+    is a dataclass in 0.5.17 and a msgspec Struct in 0.5.21."""
+    from sglang.srt.server_args import ServerArgs
+
+    fields = (getattr(ServerArgs, "__dataclass_fields__", None)
+              or getattr(ServerArgs, "__struct_fields__", ()))
+    for name in ("cuda_graph_max_bs_decode", "cuda_graph_max_bs"):
+        if name in fields:
+            return {name: max_bs}
+    return {}
+
+
 def prompts(batch: int, length: int, salt: int = 0) -> list:
     return [[5 + (i * 7 + j * 3 + salt) % 1000 for j in range(length)] for i in range(batch)]
 
@@ -67,8 +83,8 @@ def worker(a) -> None:
         kw = dict(device="cpu", attention_backend="torch_native", context_length=256,
                   max_running_requests=4, chunked_prefill_size=128, disable_cuda_graph=True)
     else:
-        kw = dict(context_length=4096, cuda_graph_max_bs=16,
-                  attention_backend=a.attention_backend)
+        kw = dict(context_length=4096, attention_backend=a.attention_backend,
+                  **graph_bs_kwargs(16))
     t0 = time.time()
     llm = sgl.Engine(model_path=model_dir(a.profile), load_format="dummy",
                      skip_tokenizer_init=True, dtype="bfloat16",

@@ -37,9 +37,18 @@ stage=.sgstage
 exclude() { grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude; }
 exclude "$stage"
 mkdir -p "$stage/dl"
+# transformers/tokenizers: SGLang 0.5.17 pins transformers==5.12.1 (the image's 5.17.0 already
+# registers 'qwen3_asr', which SGLang registers again: ValueError at import), and 5.12.1 wants
+# tokenizers <= 0.23.0 (the image has 0.23.2). IPython and its pure-Python deps: sglang/utils.py
+# imports IPython.display at `import sglang` (the image has none). All found on the H200,
+# 2026-12-01 (benchmarks/results/h200-2026-12-01-s7/sglang-attempt).
 pkgs=(sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 xgrammar==0.2.1
       apache-tvm-ffi==0.1.11 orjson==3.13.0 gguf==0.19.0 torchao==0.17.0
-      torch_memory_saver==0.0.9.post1 ${SGLANG_STAGE_EXTRA:-})
+      torch_memory_saver==0.0.9.post1 transformers==5.12.1 tokenizers==0.22.2
+      ipython==9.9.0 ipython_pygments_lexers==1.1.1 decorator==5.3.1 jedi==0.20.1 parso==0.8.7
+      matplotlib_inline==0.2.2 pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53
+      wcwidth==0.9.4 pygments==2.21.0 stack_data==0.6.3 asttokens==3.0.2 executing==2.3.0
+      pure_eval==0.2.4 traitlets==5.16.1 ${SGLANG_STAGE_EXTRA:-})
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
