@@ -19,15 +19,15 @@
 #                1.277x per b1 decode step; whole-range decision was native because prefill
 #                lost 0.768x wall and the LM head cost ~100 µs per step, since removed from
 #                the seam): `fltune adjudicate --ops linear --per-range` (decode <= 512 vs
-#                prefill), then the served DB against vanilla with the instrument
-#                (`fltune bench --e2e`, arms vanilla / aa / calibrated). PROFILE defaults to
-#                Qwen3.5-0.8B here.
+#                prefill). PROFILE defaults to Qwen3.5-0.8B here.
+#   PHASE=linbench  (not run yet) then the served DB against vanilla with the instrument
+#                (`fltune bench --e2e`, arms vanilla / aa / calibrated).
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
 export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
 mkdir -p /tmp/s7
-P=${PROFILE:-$([ "${PHASE:-}" = linrange ] && echo Qwen3.5-0.8B || echo Qwen3-0.6B)}
+P=${PROFILE:-$(case "${PHASE:-}" in lin*) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
@@ -119,17 +119,23 @@ linrange) {
   DB=/tmp/s7/lin.db
   [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s6/linear-calibrate/h200.db $DB
   el "adjudicate linear per range"
-  timeout ${TIMEOUT:-300} python3 -m fltune adjudicate --db $DB --model "$P" --ops linear \
+  timeout ${TIMEOUT:-540} python3 -m fltune adjudicate --db $DB --model "$P" --ops linear \
     --per-range --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
     --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
-  el "served DB against vanilla"
-  timeout ${TIMEOUT2:-260} python3 -m fltune bench --e2e --model "$P" --db $DB \
-    --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB --reps ${REPS2:-6} \
-    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --out "$W/e2e" --json > "$W/e2e.json"; echo "bench rc=$?"
   cp $DB "$W/"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W"/*/model
   el done
-} 2>&1 | tee "$W/log"; cp "$W/e2e/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
+} 2>&1 | tee "$W/log"; pack ;;
+linbench) {
+  DB=/tmp/s7/lin.db      # PHASE=linrange's DB, with its per-range decision
+  el "served DB against vanilla"
+  timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
+    --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB --reps ${REPS:-8} \
+    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
 esac
