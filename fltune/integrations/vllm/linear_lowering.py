@@ -85,6 +85,10 @@ class LinearLoweringPass(_lowering_base()):
     """vLLM ``InductorPass``: in a graph compiled for a token range, replaces every
     ``fltune.linear`` node whose table picks vLLM's path for all rows of the range."""
 
+    #: marks fltune's passes (this one, ``range_lowering.RangeLoweringPass``, which nests
+    #: it): either may take Inductor's one custom post-grad slot from the other
+    fltune_pass = True
+
     def __init__(self, plan, native_ranges=None):
         from ...dispatch.manifest import is_native
 
@@ -191,8 +195,7 @@ def why_not(vllm_config) -> Optional[str]:
     if not _vllm_gemm_is_f_linear(vllm_config):
         return "vLLM's unquantized GEMM here is not F.linear"
     have = cc.inductor_compile_config.get(PASS_KEY)
-    from .range_lowering import RangeLoweringPass
-    if have is not None and not isinstance(have, (LinearLoweringPass, RangeLoweringPass)):
+    if have is not None and not getattr(have, "fltune_pass", False):
         return f"{PASS_KEY} already holds {type(have).__name__}"
     return None
 

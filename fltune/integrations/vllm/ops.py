@@ -347,7 +347,7 @@ class SeamMixin:
         # per-range decisions (range_lowering): in eager mode a call in a range decided
         # native goes to vLLM's own forward; traced, the graph keeps fltune's node and the
         # compile range decides (the plan routes a split op only where that works)
-        from .range_lowering import traced
+        from .range_state import traced
         self._fltune_split = ({} if not routes or traced() else
                               {op: native_ranges(op) for op in routes if native_ranges(op)})
         return self._fltune_forward if routes else native
@@ -364,7 +364,7 @@ class SeamMixin:
         split = getattr(self, "_fltune_split", None)
         if not split or op not in split:
             return True
-        from .range_lowering import in_ranges
+        from .range_state import in_ranges
         return not in_ranges(tokens_of(op, x2d), split[op])
 
 

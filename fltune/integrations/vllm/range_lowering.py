@@ -55,56 +55,14 @@ LOWERABLE = frozenset({"rms_norm", "gemma_rms_norm", "gemma_fused_add_rms_norm",
 PASS_KEY = "post_grad_custom_post_pass"
 
 
-def in_ranges(tokens: int, ranges) -> bool:
-    """Whether ``tokens`` lies in one of ``ranges`` [(min, max or None)]."""
-    return any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in ranges)
-
-
-def covers(start: int, end: int, ranges) -> bool:
-    """Whether the compile range [start, end] lies inside one of ``ranges``."""
-    return any(lo <= start and (hi is None or end <= hi) for lo, hi in ranges)
-
-
-#: the vLLM config of the model this process serves, bound by the load_model hook
-#: (``hooks.before_load_model``) before the model is built; None elsewhere (another engine
-#: reading the same plan, e.g. SGLang, or the plan table at register): no per-range serving
-_engine = None
-
-
-def bind(vllm_config) -> None:
-    """The vLLM config the per-range verdicts read (None: unbind)."""
-    global _engine
-    _engine = vllm_config
-
-
-def _mode():
-    cc = getattr(_engine, "compilation_config", None)
-    return (cc.mode, cc.backend) if cc is not None else (None, None)
-
-
-def traced() -> bool:
-    """Whether the vLLM being configured traces the model (any compilation mode but NONE;
-    True when no vLLM model is being served here: nothing may branch per call then)."""
-    if _engine is None:
-        return True
-    from vllm.config import CompilationMode
-
-    mode, _ = _mode()
-    return mode != CompilationMode.NONE
-
-
-def has_pass_manager() -> bool:
-    """Whether vLLM compiles per compile range with its post-grad pass manager."""
-    from vllm.config import CompilationMode
-
-    mode, backend = _mode()
-    return mode == CompilationMode.VLLM_COMPILE and backend == "inductor"
+from .range_state import bind, covers, engine, has_pass_manager, in_ranges, traced  # noqa: F401
+from .range_state import _mode
 
 
 def per_range_problem(op: str) -> Optional[str]:
     """Why ``op`` cannot be served per range in the vLLM being configured, or None."""
     try:
-        if _engine is None:
+        if engine() is None:
             return "no vLLM model served in this process (another engine, or not loaded yet)"
         if op == "linear" and not traced():
             return ("linear's eager seam (linear_seam) does not branch per call size; "
@@ -120,7 +78,7 @@ def per_range_problem(op: str) -> Optional[str]:
                     f"post-grad), which the per-range lowering does not rewrite")
         if op == "linear":
             from . import linear_lowering
-            why = linear_lowering.why_not(_engine)
+            why = linear_lowering.why_not(engine())
             if why is not None:
                 return why
     except Exception as e:                 # never a reason to fail: fall back
@@ -145,6 +103,8 @@ class RangeLoweringPass(_base()):
     """vLLM ``InductorPass``: in a graph compiled for a token range that lies inside a range
     decided native for an op, every ``torch.ops.fltune.<op>`` node becomes vLLM's native
     computation; ``fltune.linear`` nodes go through ``linear`` (a ``LinearLoweringPass``)."""
+
+    fltune_pass = True           # one of fltune's passes (see LinearLoweringPass)
 
     def __init__(self, plan, native: dict, linear=None):
         self.fingerprint = plan.fingerprint
