@@ -48,14 +48,9 @@ irchk) {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
   EDGES=$(python3 - $M <<'PY'
 import json, sys
-from fltune.dispatch.manifest import is_native
-e = set()
-for op in ("rms_norm", "fused_add_rms_norm"):
-    for t in json.load(open(sys.argv[1]))["ops"].get(op, {}).get("tables", []):
-        for a, b in zip(t["bands"], t["bands"][1:]):
-            if is_native(a["impl_id"]) != is_native(b["impl_id"]):
-                e.add(a["hi"])
-print(json.dumps(sorted(e)))
+from fltune.dispatch.manifest import Manifest
+from fltune.integrations.vllm.ir_provider import native_edges
+print(json.dumps(native_edges(Manifest.from_json(json.load(open(sys.argv[1])), sys.argv[1]))))
 PY
 )
   echo "edges $EDGES"

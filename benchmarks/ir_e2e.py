@@ -11,8 +11,8 @@ run through the same ``run_e2e``; the summary is written as the CLI writes it.
 ENDPOINTS: vLLM's ``compile_ranges_endpoints`` for the ``ir`` arm alone (an engine overlay;
 vanilla runs as vLLM runs), so each compiled range lowers one kind of winner (the IR
 provider declines ranges whose bands are all vLLM's own path: Inductor fuses native there).
-``auto`` (needs a manifest): the IR ops' native/other band edges, as
-``ir_provider.range_endpoints`` computes them.
+``auto`` (needs a manifest): the IR ops' native/other band edges
+(``ir_provider.native_edges``, what the plugin logs for the served plan).
 """
 import json, os, sys
 from fltune.evaluate import e2e
@@ -22,14 +22,9 @@ route = os.environ.get("ROUTE", "ops:fused_add_rms_norm,rms_norm")
 src = "FLTUNE_MANIFEST" if db.endswith(".json") else "FLTUNE_DB"     # a manifest or a DB
 ends = os.environ.get("ENDPOINTS")
 if ends == "auto":
-    from fltune.dispatch.manifest import is_native
-    edges = set()
-    for op in ("rms_norm", "fused_add_rms_norm"):
-        for t in json.load(open(db))["ops"].get(op, {}).get("tables", []):
-            for a, b in zip(t["bands"], t["bands"][1:]):
-                if is_native(a["impl_id"]) != is_native(b["impl_id"]):
-                    edges.add(a["hi"])
-    ends = sorted(edges)
+    from fltune.dispatch.manifest import Manifest
+    from fltune.integrations.vllm.ir_provider import native_edges
+    ends = native_edges(Manifest.from_json(json.load(open(db)), db))
 elif ends:
     ends = json.loads(ends)
 ir_engine = {"compilation_config": {"compile_ranges_endpoints": ends}} if ends else None

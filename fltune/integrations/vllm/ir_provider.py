@@ -358,12 +358,18 @@ def range_endpoints(plan=None, ops_=IR_OPS) -> list:
     kind of winner, so the lowering can leave native bands to Inductor (``_table_takes``;
     ``linear_lowering`` for ``ops_=("linear",)``). vLLM adds max_num_batched_tokens
     itself."""
-    from ...dispatch.manifest import is_native
-
     st = _state
     if plan is None and st is None:
         return []
-    typed = (plan or st.plan).typed
+    return native_edges((plan or st.plan).typed, ops_)
+
+
+def native_edges(typed, ops_=IR_OPS) -> list:
+    """:func:`range_endpoints` of a manifest (``dispatch.manifest.Manifest``), without a
+    plan: for scripts that set an engine's compile ranges from a frozen manifest
+    (``benchmarks/ir_e2e.py``)."""
+    from ...dispatch.manifest import is_native
+
     edges = set()
     for op in ops_:
         entry = typed.ops.get(op)
