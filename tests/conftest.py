@@ -6,6 +6,7 @@ variable from the outer environment leaks into a test (each test sets what it ne
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sqlite3
 import sys
@@ -135,3 +136,8 @@ def copy_db(db, copy) -> sqlite3.Connection:
     src.backup(dst)
     src.close()
     return dst
+
+
+def file_digest(path) -> str:
+    """sha256 of a file's bytes: a DB opened for reading must come back byte for byte."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

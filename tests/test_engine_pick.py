@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import sqlite3
@@ -27,15 +26,12 @@ import pytest
 import sqlite_utils
 
 from fltune.store.db import MIGRATIONS, SCHEMA_VERSION, CalibrationDB
+from conftest import file_digest
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "tiny_qwen3"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
-
-
-def _digest(p) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
 
 
 # ---- schema 4 -> 5 ------------------------------------------------------------------------
@@ -114,7 +110,7 @@ def _rows(path) -> dict:
 def test_schema_4_db_is_read_as_is_and_migrated_to_5_keeping_every_row(tmp_path):
     path = tmp_path / "v4.db"
     _schema4_db(path)
-    before, rows = _digest(path), _rows(path)
+    before, rows = file_digest(path), _rows(path)
     assert all(_counts(path).values())                     # every table holds something
     db = CalibrationDB(path, create=False)                 # a reader: leaves the bytes
     try:
@@ -123,7 +119,7 @@ def test_schema_4_db_is_read_as_is_and_migrated_to_5_keeping_every_row(tmp_path)
             db.record_engine_picks([{"device_key": "dk"}])
     finally:
         db.close()
-    assert _digest(path) == before
+    assert file_digest(path) == before
     db = CalibrationDB(path, create=False, write=True)     # a writer migrates
     try:
         assert db.schema_version() == SCHEMA_VERSION == 6

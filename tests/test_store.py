@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import os
 import sqlite3
 
@@ -12,16 +11,13 @@ import pytest
 from fltune.store import device as devmod
 from fltune.store.db import (BUSY_TIMEOUT_MS, SCHEMA_VERSION, CalibrationDB, DBError,
                              MEASUREMENT_KEY, WINNER_KEY)
+from conftest import file_digest
 
 DEVICE = {"device_key": "cpu0123456789abc", "device_type": "cpu", "name": "Test CPU",
           "capability": "AVX2", "sms": 2, "memory_bytes": 8 << 30, "driver": "linux 6.0",
           "runtime": "torch x"}
 TABLES = {"meta", "devices", "runs", "measurements", "winners", "crossovers", "refine_runs",
           "noise_probes"}
-
-
-def _digest(path) -> str:
-    return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
 def _measurement(impl_id, median=10.0, band_hi=8, outcome="timed", **kw):
@@ -195,7 +191,7 @@ def test_runs_and_devices(tmp_db_path):
 # ---- files that are not a usable fltune DB ---------------------------------------------
 
 def _assert_refused_untouched(path, match):
-    before = _digest(path)
+    before = file_digest(path)
     listing = sorted(os.listdir(os.path.dirname(path)))
     with pytest.raises(DBError) as e:
         CalibrationDB(path)
@@ -203,7 +199,7 @@ def _assert_refused_untouched(path, match):
     assert match in str(e.value)
     del e
     gc.collect()     # the refused connection is not closed explicitly; its finalizer does it
-    assert _digest(path) == before, "the file's bytes changed"
+    assert file_digest(path) == before, "the file's bytes changed"
     assert sorted(os.listdir(os.path.dirname(path))) == listing, "side files were left behind"
 
 
