@@ -12,7 +12,8 @@
 #
 # Knobs (environment): MODEL (default Qwen3.5-0.8B), OPS (comma list; default: the model's
 # default op set), BUDGET (seconds of timing per candidate, default 0.02 as h200_calibrate.sh),
-# MAX_TOKENS (default: the GPU default, 16384).
+# MAX_TOKENS (default: the GPU default, 16384), TP (tensor-parallel size of the shapes, default 1:
+# `--tp N` calibrates one rank's shapes).
 # Each arm has its own Inductor and Triton caches, so neither reuses the other's compiled
 # kernels (the second arm would otherwise look faster for having compiled nothing).
 # Output under $OUT: one-gpu.db/.json, ray.db/.json, ray-rerun.json, verify-ray.json,
@@ -35,6 +36,7 @@ BUDGET=${BUDGET:-0.02}
 args=(--model "$MODEL" --budget "$BUDGET" --quiet --json)
 [ -n "${OPS:-}" ] && args+=(--ops "$OPS")
 [ -n "${MAX_TOKENS:-}" ] && args+=(--max-tokens "$MAX_TOKENS")
+[ -n "${TP:-}" ] && args+=(--tp "$TP")
 rm -f "$OUT"/one-gpu.db* "$OUT"/ray.db*
 
 # wall seconds of a command (the whole process: imports, Ray start, actors), its status kept

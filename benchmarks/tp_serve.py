@@ -3,10 +3,12 @@
     python benchmarks/tp_serve.py --db DB --profile Qwen3-0.6B --tp 2 --out DIR
 
 Starts `fltune serve --strict --db DB -- ... --tensor-parallel-size N` (dummy weights,
-compiled, CUDA graphs), sends one completions request, and reads the per-process counter
-files the plugin writes (``FLTUNE_COUNTERS_FILE`` with ``{pid}``): one per rank. Writes
-DIR/tp-<profile>.json with, per rank, the fingerprint, the routed ops and the calls each
-implementation served, and whether all ranks agree.
+compiled, CUDA graphs) and, beside it, plain vLLM with the same arguments (plugin off: every
+FLTUNE_* variable removed), sends both one greedy completions request, compares the token
+ids, and reads the per-process counter files the plugin writes (``FLTUNE_COUNTERS_FILE``
+with ``{pid}``): one per rank. Writes DIR/tp-<profile>.json with, per rank, the
+fingerprint, the routed ops and the calls each implementation served, whether all ranks
+agree, and whether the tokens equal vanilla's.
 """
 from __future__ import annotations
 
@@ -26,6 +28,21 @@ from e2e_ab import http, log_path, prompts, wait_ready  # noqa: E402
 from h200_serve import model_dir as make_model_dir  # noqa: E402
 
 
+def server_cmd(model: str, port: int, a, db: str | None) -> list:
+    """``fltune serve --strict --db DB -- ARGS`` (db given) or plain ``vllm serve`` ARGS."""
+    args = ["--model", model, "--load-format", "dummy", "--skip-tokenizer-init",
+            "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization",
+            str(a.gpu_mem), "--tensor-parallel-size", str(a.tp), "--host", "127.0.0.1",
+            "--port", str(port), "--disable-log-stats", "--seed", "0"]
+    if a.profile.startswith("Qwen3.5"):        # as e2e_ab.vllm_args (the stated GDN stand-in)
+        args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0}),
+                 "--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+    args += a.vllm_arg
+    if db is None:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"] + args
+    return [sys.executable, "-m", "fltune", "serve", "--strict", "--db", db, "--"] + args
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--db", required=True)
@@ -36,39 +53,57 @@ def main():
     ap.add_argument("--gpu-mem", type=float, default=0.12)
     ap.add_argument("--start-timeout", type=float, default=420)
     ap.add_argument("--model-dir", help="serve this HF config directory instead of --profile's")
+    ap.add_argument("--route", help="FLTUNE_ROUTE for the fltune server (default: the "
+                                    "plugin's own, auto)")
+    ap.add_argument("--no-vanilla", action="store_true",
+                    help="skip the plugin-off server the tokens are compared with")
     ap.add_argument("--vllm-arg", action="append", default=[])
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = os.path.abspath(a.model_dir) if a.model_dir else make_model_dir(a.profile)
     tag = f"tp{a.tp}-{a.profile}"
-    env = dict(os.environ, FLTUNE_COUNTERS_FILE=os.path.join(
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FLTUNE_", "VLLM_FL_"))}
+    fl_env = dict(base, FLTUNE_COUNTERS_FILE=os.path.join(
         os.path.abspath(a.out), f"counters-{tag}-{{pid}}.json"), FLTUNE_COUNTERS_INTERVAL="1")
-    cmd = [sys.executable, "-m", "fltune", "serve", "--strict", "--db", a.db, "--",
-           "--model", model, "--load-format", "dummy", "--skip-tokenizer-init",
-           "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization",
-           str(a.gpu_mem), "--tensor-parallel-size", str(a.tp), "--host", "127.0.0.1",
-           "--port", str(a.port), "--disable-log-stats", "--seed", "0"] + a.vllm_arg
+    if a.route:
+        fl_env["FLTUNE_ROUTE"] = a.route
+    # both servers at once (each TP=N over the same GPUs, a small memory share each):
+    # one start's wall time instead of two
+    arms = {f"tp{a.tp}": (server_cmd(model, a.port, a, a.db), fl_env, a.port)}
+    if not a.no_vanilla:
+        arms[f"tp{a.tp}-vanilla"] = (server_cmd(model, a.port + 1, a, None), base, a.port + 1)
+    doc = {"profile": a.profile, "tp": a.tp, "route": a.route,
+           "cmd": {n: c for n, (c, _, _) in arms.items()}}
+    procs = {n: subprocess.Popen(c, env=e, stdout=open(log_path(a, n), "w"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+             for n, (c, e, _) in arms.items()}
     name = f"tp{a.tp}"
-    log = log_path(a, name)
-    doc = {"profile": a.profile, "tp": a.tp, "cmd": cmd}
-    p = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                         start_new_session=True)
     try:
-        ready, failed = wait_ready({name: p}, {name: a.port}, a.start_timeout, a)
-        if failed:
-            doc["failed"] = failed[name]
+        ready, failed = wait_ready(procs, {n: p for n, (_, _, p) in arms.items()},
+                                   a.start_timeout, a)
+        doc["ready_s"], doc["failed"] = ready, failed
+        if name in failed:
             why = failed[name].get("why") or f"exited with {failed[name]['returncode']}"
-            raise SystemExit(f"TP server did not start ({why}); see {log}")
-        doc["ready_s"] = ready[name]
+            raise SystemExit(f"TP server did not start ({why}); see {log_path(a, name)}")
         body = {"model": model, "prompt": prompts(4, 32), "max_tokens": 16,
                 "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-        r = http(a.port, "/v1/completions", body)
-        doc["completion_tokens"] = r["usage"]["completion_tokens"]
-        doc["first_tokens"] = [(c.get("token_ids") or [])[:8] for c in r["choices"]]
+        tokens = {}
+        for n in ready:
+            r = http(arms[n][2], "/v1/completions", body)
+            tokens[n] = [c.get("token_ids") for c in sorted(r["choices"],
+                                                            key=lambda c: c["index"])]
+            doc.setdefault("completion_tokens", {})[n] = r["usage"]["completion_tokens"]
+        doc["first_tokens"] = {n: [(t or [])[:8] for t in ts] for n, ts in tokens.items()}
+        van = tokens.get(f"tp{a.tp}-vanilla")
+        doc["tokens_equal_vanilla"] = (None if van is None or name not in tokens
+                                       or any(t is None for t in van)
+                                       else tokens[name] == van)
         time.sleep(3)                                # the counter files are rewritten each second
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs.values():
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -82,16 +117,20 @@ def main():
                 "additional_config", "compiled_with_inductor")}
             os.remove(f)
         doc["ranks"] = ranks
+        # the processes that ran the model: those with routed calls (the API server and
+        # engine core write a counters file too, with no calls)
+        busy = {k: r for k, r in ranks.items() if any((r.get("counters") or {}).values())}
+        group = busy or ranks
         seen = {(r["fingerprint"], json.dumps(r.get("routed"), sort_keys=True))
-                for r in ranks.values()}
-        doc["ranks_agree"] = len(ranks) >= a.tp and len(seen) == 1
-        doc["log_tail"] = [ln.rstrip() for ln in open(log, errors="replace")
-                           if "fltune" in ln or "Error" in ln][-30:]
+                for r in group.values()}
+        doc["ranks_with_calls"] = sorted(busy)
+        doc["ranks_agree"] = len(group) >= a.tp and len(seen) == 1
+        doc["log_tail"] = {n: [ln.rstrip() for ln in open(log_path(a, n), errors="replace")
+                               if "fltune" in ln or "Error" in ln][-30:] for n in arms}
         with open(os.path.join(a.out, f"tp-{a.profile}.json"), "w") as f:
             json.dump(doc, f, indent=1)
-        if doc.get("completion_tokens"):
-            os.remove(log)          # kept when the run failed: the error message names it
-    print(json.dumps({k: doc.get(k) for k in ("ready_s", "completion_tokens", "ranks_agree")}))
+    print(json.dumps({k: doc.get(k) for k in ("ready_s", "completion_tokens", "ranks_agree",
+                                              "ranks_with_calls", "tokens_equal_vanilla")}))
     print(json.dumps(doc["ranks"], indent=1)[:3000])
 
 

@@ -351,3 +351,59 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
     for smp in res.samples:
         assert len(smp["runs"][0]) >= 5 and 0 < sum(smp["runs"][0]) <= smp["run_s"][0]
     assert {p["arm"] for p in res.points} == {"aa"}
+
+
+# ---- tensor parallelism: the ranks' kernels and counters ------------------------------------
+
+def test_rank_kernels_reads_each_ranks_trace_from_vllms_worker_profiler(tmp_path):
+    """At TP > 1 the kernels run in vLLM's rank processes; their traces come from torch's
+    tensorboard_trace_handler under vLLM's rank-suffix worker names. A real CPU profile
+    (no kernels) is read and removed like a GPU one; kernel events are summed per rank."""
+    import torch
+    from fltune.integrations.vllm.e2e_worker import is_collective, rank_kernels
+    handler = torch.profiler.tensorboard_trace_handler(
+        str(tmp_path), worker_name="dp0_pp0_tp1_dcp0_ep0_rank1")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                on_trace_ready=handler):
+        torch.ones(4).add_(1)
+    real = os.listdir(tmp_path)
+    assert len(real) == 1 and real[0].startswith("dp0_pp0_tp1_")
+    gpu = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "void vllm::cross_device_reduce_1stage<bf16, 2>",
+         "dur": 3.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 5.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 4.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 1.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "dur": 100.0}]}
+    (tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json").write_text(json.dumps(gpu))
+    (tmp_path / "unrelated.json").write_text("{}")
+    out = rank_kernels(str(tmp_path), sorted(os.listdir(tmp_path)))
+    assert sorted(out) == [0, 1]
+    assert out[1] == {}                                  # CPU: no GPU events
+    assert out[0]["nvjet_tst_64x8"] == [2, 9.0]
+    assert out[0]["[gpu_memcpy] Memcpy HtoD"] == [1, 1.0]
+    assert "aten::add" not in out[0]
+    assert os.listdir(tmp_path) == ["unrelated.json"]  # the traces read are removed
+    assert is_collective("void vllm::cross_device_reduce_1stage<bf16, 2>")
+    assert is_collective("ncclDevKernel_AllReduce_Sum_bf16_RING_LL")
+    assert not is_collective("nvjet_tst_64x8")
+
+
+def test_counters_of_a_tensor_parallel_arm_are_read_per_process(tmp_path):
+    """``{pid}`` in the counters path (TP > 1): every process's file is kept; the arm's
+    counters are those of a process that served routed calls, not the front end's."""
+    path = str(tmp_path / "counters-all-{pid}.json")
+    front = {"fingerprint": "f", "counters": {}}
+    rank = {"fingerprint": "f", "counters": {"rms_norm": {"flagos": 40, "native": 2}}}
+    (tmp_path / "counters-all-111.json").write_text(json.dumps(front))
+    (tmp_path / "counters-all-222.json").write_text(json.dumps(rank))
+    (tmp_path / "counters-all-333.json").write_text("not json")
+    (tmp_path / "counters-allx-444.json").write_text(json.dumps(rank))   # another arm
+    counters, by_proc = e2e.read_counters(path)
+    assert counters == rank
+    assert sorted(by_proc) == ["111", "222"]
+    single = tmp_path / "counters-one.json"
+    single.write_text(json.dumps(rank))
+    assert e2e.read_counters(str(single)) == (rank, None)
+    assert e2e.read_counters(str(tmp_path / "missing-{pid}.json")) == (None, {})
+    assert e2e.read_counters(None) == (None, None)

@@ -477,6 +477,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if pkg_root not in pp.split(os.pathsep):
         extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
 
+    tp = int(eng.get("tensor_parallel_size") or 1)
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],
@@ -492,7 +493,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             if cores:
                 add.setdefault("OMP_NUM_THREADS", str(len(cores)))
             if arm.env and "FLTUNE_COUNTERS_FILE" not in arm.env:
-                add["FLTUNE_COUNTERS_FILE"] = os.path.join(work, f"counters-{arm.name}.json")
+                # tensor parallelism: each rank is its own process with its own counters
+                add["FLTUNE_COUNTERS_FILE"] = os.path.join(
+                    work, f"counters-{arm.name}" + ("-{pid}" if tp > 1 else "") + ".json")
                 add["FLTUNE_COUNTERS_INTERVAL"] = "1"
             env = arm_environ(arm, os.environ, add)
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
@@ -610,14 +613,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         for p in procs.values():
             p.stop()
     for name, info in arms_info.items():
-        cf = info.get("counters_file")
-        info["counters"] = None
-        if cf and os.path.exists(cf):
-            try:
-                with open(cf) as f:
-                    info["counters"] = json.load(f)
-            except (OSError, json.JSONDecodeError):
-                pass
+        info["counters"], by_proc = read_counters(info.get("counters_file"))
+        if by_proc is not None:
+            info["counters_by_process"] = by_proc
 
     points = compute_points(samples, scenarios, [a.name for a in arms], baseline, kernels)
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
@@ -629,6 +627,36 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             json.dump(result.raw(), f, indent=1, default=str)
     progress("done")
     return result
+
+
+def read_counters(path: str | None):
+    """(counters, by_process) of an arm's counters file. ``path`` with ``{pid}``
+    (tensor parallelism): every process's file is read into ``by_process`` ({pid:
+    counters}) and ``counters`` is the one that served the most routed calls (a rank that
+    ran the model; the front end runs none); otherwise ``by_process`` is None."""
+    import glob
+
+    def load(p):
+        try:
+            with open(p) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return None
+    if not path:
+        return None, None
+    if "{pid}" not in path:
+        return (load(path) if os.path.exists(path) else None), None
+    head, tail = path.split("{pid}", 1)
+    by_proc = {}
+    for p in sorted(glob.glob(glob.escape(head) + "*" + glob.escape(tail))):
+        pid = p[len(head):len(p) - len(tail)]
+        c = load(p)
+        if pid.isdigit() and c is not None:
+            by_proc[pid] = c
+    if not by_proc:
+        return None, {}
+    busiest = max(by_proc.values(), key=lambda c: sum((_routed_calls(c) or {}).values()))
+    return busiest, by_proc
 
 
 def _kernel_rounds(res) -> list:

@@ -75,8 +75,15 @@ class Worker:
         self.cuda = torch.cuda.is_available() and spec.get("device_type", "cuda") == "cuda"
         from vllm import LLM, SamplingParams
         self.SamplingParams = SamplingParams
+        engine = dict(spec["engine"])
+        self.trace_dir = None
+        if self.cuda and int(engine.get("tensor_parallel_size") or 1) > 1:
+            # the model runs in vLLM's rank processes: the kernel profile goes through
+            # vLLM's own worker profiler (:meth:`_profiled_ranks`)
+            self.trace_dir = tempfile.mkdtemp(prefix="fltune-e2e-trace-")
+            engine["profiler_config"] = worker_profiler_config(self.trace_dir)
         t0 = time.perf_counter()
-        self.llm = LLM(model=spec["model_dir"], **spec["engine"])
+        self.llm = LLM(model=spec["model_dir"], **engine)
         self.init_s = time.perf_counter() - t0
         try:
             self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -84,6 +91,7 @@ class Worker:
             self.vocab = int(spec.get("vocab_size") or 256)
         self._prompts: dict = {}
         self._steps = None
+        self.rank_totals: dict = {}
         self._time_steps()
 
     def _time_steps(self):
@@ -166,10 +174,15 @@ class Worker:
         if not self.cuda:
             return {"kernel_us_per_step": None, "why": "no CUDA device: no kernel profile"}
         prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
+        ranks = None
         if scenario["kind"] == "decode":
             k_long, wall_long = self._profiled(prompts, scenario["output_len"])
+            r_long = dict(self.rank_totals)
             k_short, wall_short = self._profiled(prompts, 1)
             steps = scenario["output_len"] - 1
+            if self.trace_dir:
+                ranks = {r: (r_long[r] - self.rank_totals.get(r, 0.0)) / steps
+                         for r in r_long}
             names = set(k_long) | set(k_short)
             per = {n: ((k_long.get(n, [0, 0.0])[1] - k_short.get(n, [0, 0.0])[1]) / steps,
                        (k_long.get(n, [0, 0])[0] - k_short.get(n, [0, 0])[0]) / steps)
@@ -181,16 +194,47 @@ class Worker:
             k, wall = self._profiled(prompts, 1)
             per = {n: (v[1], v[0]) for n, v in k.items()}
             total = sum(v[1] for v in k.values())
+            if self.trace_dir:
+                ranks = dict(self.rank_totals)
         tops = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
-        return {"kernel_us_per_step": total, "profiled_wall_s_per_step": wall,
+        extra = {} if ranks is None else {
+            "source": "vLLM worker profiler, rank 0",
+            "rank_kernel_us_per_step": {f"tp{r}": round(v, 3) for r, v in sorted(ranks.items())}}
+        coll = {n: v for n, v in per.items() if is_collective(n)}
+        if coll:       # every collective kernel, not only those among the top
+            extra["collectives"] = [{"name": n[:200], "us_per_step": round(us, 3),
+                                     "calls_per_step": round(c, 3)}
+                                    for n, (us, c) in sorted(coll.items(), key=lambda kv: -kv[1][0])]
+            extra["collective_us_per_step"] = round(sum(v[0] for v in coll.values()), 3)
+        return {"kernel_us_per_step": total, "profiled_wall_s_per_step": wall, **extra,
                 "top_kernels": [{"name": n[:200], "us_per_step": round(us, 3),
                                  "calls_per_step": round(c, 3)} for n, (us, c) in tops]}
 
     def _profiled(self, prompts, n: int):
+        if self.trace_dir:
+            return self._profiled_ranks(prompts, n)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as p:
             wall, _ = self.gen(prompts, n)
         return kernels_of(p), wall
+
+    def _profiled_ranks(self, prompts, n: int):
+        """Tensor parallelism: the kernels run in vLLM's rank processes, out of this
+        process's torch.profiler. vLLM's worker profiler (``LLM.start_profile``, each rank
+        a trace file) sees them, the collectives included. The figure is rank 0's (the
+        ranks run the same kernels in lock step; each rank's total is kept)."""
+        before = set(os.listdir(self.trace_dir))
+        self.llm.start_profile()
+        try:
+            wall, _ = self.gen(prompts, n)
+        finally:
+            self.llm.stop_profile()
+        new = sorted(set(os.listdir(self.trace_dir)) - before)
+        per_rank = rank_kernels(self.trace_dir, new)
+        if not per_rank:
+            raise RuntimeError(f"vLLM's worker profiler wrote no trace into {self.trace_dir}")
+        self.rank_totals = {r: sum(v[1] for v in k.values()) for r, k in per_rank.items()}
+        return per_rank[min(per_rank)], wall
 
     def cmd_info(self) -> dict:
         import torch
@@ -298,6 +342,55 @@ def kernels_of(prof) -> dict:
             tr = json.load(f)
     finally:
         os.remove(path)
+    return trace_kernels(tr)
+
+
+#: kernel names of the collectives a tensor-parallel vLLM model adds: NCCL's, vLLM's custom
+#: all-reduce (``cross_device_reduce_*``), FlashInfer/TensorRT-LLM's all-reduce (+ norm)
+#: fusion (``allreduce_fusion*``, ``lamport``), torch symmetric memory's one/two-shot
+_COLLECTIVE = ("nccl", "allreduce", "all_reduce", "cross_device_reduce", "allgather",
+               "all_gather", "reducescatter", "reduce_scatter", "lamport", "one_shot",
+               "two_shot", "oneshot", "twoshot", "multimem")
+
+
+def is_collective(kernel_name: str) -> bool:
+    n = kernel_name.lower()
+    return any(k in n for k in _COLLECTIVE)
+
+
+def worker_profiler_config(trace_dir: str) -> dict:
+    """vLLM's ``profiler_config`` for :meth:`Worker._profiled_ranks`: torch traces of the
+    rank processes only (the front end runs no kernel), plain JSON, no stacks and no
+    summary table (both slow and unused here)."""
+    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+
+
+def rank_kernels(trace_dir: str, names) -> dict:
+    """{tensor-parallel rank: {kernel name: [count, total µs]}} of the trace files ``names``
+    in ``trace_dir`` written by vLLM's worker profiler (``<prefix>_dp0_pp0_tpR_...`` +
+    torch's ``.<pid>.<ns>.pt.trace.json``). Each file is read, then removed."""
+    import re
+    out: dict = {}
+    for name in names:
+        m = re.search(r"(?:^|_)tp(\d+)(?:_|\.)", name)
+        if not m or ".pt.trace.json" not in name:
+            continue
+        path = os.path.join(trace_dir, name)
+        with open(path) as f:
+            tr = json.load(f)
+        os.remove(path)
+        agg = out.setdefault(int(m.group(1)), {})
+        for k, (c, us) in trace_kernels(tr).items():
+            a = agg.setdefault(k, [0, 0.0])
+            a[0] += c
+            a[1] += us
+    return out
+
+
+def trace_kernels(tr: dict) -> dict:
+    """{kernel name: [count, total µs]} of a Chrome trace's GPU events."""
     agg: dict = {}
     for e in tr.get("traceEvents", []):
         if e.get("ph") != "X":
