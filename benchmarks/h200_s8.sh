@@ -45,7 +45,7 @@ case ${PHASE:-ray} in
 ray) {
   nvidia-smi topo -m; env | grep -E 'NVLS|MULTICAST' | sort
   el "h200_ray.sh TP=2"
-  OUT=$W MODEL=$P TP=2 OPS=$OPS bash benchmarks/h200_ray.sh; echo "h200_ray rc=$?"
+  OUT=$W MODEL=$P TP=2 OPS=$OPS timeout ${TIMEOUT:-540} bash benchmarks/h200_ray.sh; echo "h200_ray rc=$?"
   cp "$W/ray.db" $DB 2>/dev/null
   el done
 } 2>&1 | tee "$W/s8.log"; pack ;;
