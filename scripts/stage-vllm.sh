@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Stage vLLM 0.24.0 (+ what the GPU image lacks: scripts/vllm-0.24-deps.txt, tested on the H200)
+# for the GPU machine, in folders .ve1 .. .veN that each fit one device call.
+#
+# Why a cap computed here: a call carries at most 64 MiB *including the checkout itself*
+# (tracked and untracked-not-ignored files). On 2026-12-01 chunks of 51 MiB that had fitted
+# earlier were refused once the checkout had grown to ~15 MiB, and the machine went cold while
+# they were re-cut. So each folder gets 64 MiB - the checkout - VE_MARGIN_MIB (default 6: the
+# last call also carries .whl, ~7 MiB, so that folder is cut smaller).
+#
+# Run here, in the checkout, where pip reaches PyPI (downloads ~330 MB once into .vstage/):
+#   scripts/stage-vllm.sh            # prints the calls to make back to back on a warm machine
+set -euo pipefail
+top=$(git rev-parse --show-toplevel); cd "$top"
+stage=.vstage
+exclude() { grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude; }
+exclude "$stage"; exclude ".ve[0-9]*"
+mkdir -p "$stage"
+if ! ls "$stage"/vllm-0.24.0-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 \
+    --platform manylinux1_x86_64 -d "$stage" vllm==0.24.0 \
+    $(grep -v '^#' scripts/vllm-0.24-deps.txt) 2>&1 | grep -v '^WARNING' || true
+fi
+ls "$stage"/vllm-0.24.0-*.whl >/dev/null 2>&1 \
+  || { echo "stage-vllm.sh: the vLLM 0.24.0 wheel did not download (pip's output above)" >&2; exit 1; }
+tree_kib=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } \
+            | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+whl_kib=$(du -sk .whl 2>/dev/null | cut -f1); whl_kib=${whl_kib:-0}
+margin_mib=${VE_MARGIN_MIB:-6}
+rm -rf .ve[0-9]*
+n=$(python3 - "$stage" "$tree_kib" "$whl_kib" "$margin_mib" <<'PY'
+import os, sys
+stage, tree_kib, whl_kib, margin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+MiB = 2**20
+cap = 64 * MiB - tree_kib * 1024 - margin * MiB
+if cap < 16 * MiB:
+    sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) leaves under 16 MiB a call")
+last_cap = cap - whl_kib * 1024                # the last folder travels with .whl
+items = []
+for f in sorted(os.listdir(stage)):
+    p = os.path.join(stage, f)
+    if f.startswith("vpart"):
+        os.remove(p)
+for f in sorted(os.listdir(stage)):
+    p = os.path.join(stage, f)
+    if f.startswith("vllm-0.24.0") and f.endswith(".whl"):
+        with open(p, "rb") as src:
+            i = 0
+            while chunk := src.read(last_cap - MiB):
+                part = os.path.join(stage, f"vpart{i:02d}")
+                with open(part, "wb") as out:
+                    out.write(chunk)
+                items.append(part)
+                i += 1
+    elif f.endswith(".whl"):
+        items.append(p)
+items.sort(key=os.path.getsize, reverse=True)
+bins = []                                          # first fit, largest first
+for p in items:
+    s = os.path.getsize(p)
+    for b in bins:
+        if b[0] + s <= cap:
+            b[0] += s
+            b[1].append(p)
+            break
+    else:
+        bins.append([s, [p]])
+bins.sort(key=lambda b: -b[0])                     # the smallest last: it fits beside .whl
+if bins and bins[-1][0] > last_cap:
+    bins.append([0, []])
+for k, (_, ps) in enumerate(bins, 1):
+    d = f".ve{k}"
+    os.makedirs(d, exist_ok=True)
+    for p in ps:
+        os.link(p, os.path.join(d, os.path.basename(p)))
+print(len(bins))
+PY
+)
+du -sh .ve[0-9]* | tr '\n' ' '; echo
+echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
+echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named:"
+for k in $(seq 1 "$n"); do
+  if [ "$k" -lt "$n" ]; then
+    echo "  $k/$n  carry [\".ve$k\"]           command: mkdir -p /tmp/stage && cp .ve$k/* /tmp/stage/"
+  else
+    echo "  $k/$n  carry [\".ve$k\", \".whl\"]   command: mkdir -p /tmp/stage && cp .ve$k/* /tmp/stage/ && VLLM_INSTALL; <your run>"
+  fi
+done
+echo "VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && cat \$(ls vpart* | sort) > vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm vpart* && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )"
