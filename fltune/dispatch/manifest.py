@@ -84,10 +84,11 @@ def _get(cfg, name):
     return cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
 
 
-def model_key(config) -> str:
+def model_key(config, tp: int = 1) -> str:
     """The key a route decision is stored under: the model's architecture and the
     dimensions that fix its ops' shapes and its step's cost, e.g.
-    ``Qwen3ForCausalLM:h64:i128:L2:a4:kv2:d16``.
+    ``Qwen3ForCausalLM:h64:i128:L2:a4:kv2:d16``, and the tensor-parallel size when it is
+    above 1 (``...:d16:tp2``).
 
     Why these facts and not a name or a path: the plugin must recognise the model it
     serves from what vLLM hands it (``vllm_config.model_config.hf_config``), and the
@@ -98,7 +99,18 @@ def model_key(config) -> str:
     real ones). Two checkpoints of one architecture and size (a base and its instruct
     tune) share the key, rightly: their steps cost the same. ``config`` is the HF config
     as a dict or an object (``PretrainedConfig``); a multimodal model's dimensions are read
-    from its ``text_config``."""
+    from its ``text_config``.
+
+    Why the TP size: a decision is a measurement of the model step in its context, and
+    at TP > 1 the context is another one: every rank has its own shapes (a half of the
+    MLP, of the heads), an all-reduce follows the row-parallel layers, and vLLM fuses
+    that all-reduce with the next RMSNorm (``fuse_allreduce_rms``, on by default on
+    Hopper with FlashInfer) only while the norm is its own op. A routed norm breaks
+    that fusion, which no TP=1 run can see (H200, TP=2: FLTUNE_ROUTE=all made the
+    2048-token prefill step 0.90x of vanilla, ``benchmarks/results/h200-2026-12-01-s8``).
+    So a TP=1 decision does not carry over: TP=1 keys are unchanged (no suffix), and at
+    TP=N the plugin looks for ``:tpN`` decisions, i.e. ``fltune adjudicate --engine
+    '{"tensor_parallel_size": N}'``; without one the op stays on vLLM's path."""
     archs = _get(config, "architectures") or []
     text = _get(config, "text_config") or _get(config, "text_config_dict") or config
     parts = [",".join(archs) if archs else str(_get(config, "model_type") or "?")]
@@ -111,6 +123,8 @@ def model_key(config) -> str:
             v = h // a if h and a else None
         if v is not None:
             parts.append(f"{tag}{int(v)}")
+    if int(tp or 1) > 1:
+        parts.append(f"tp{int(tp)}")
     return ":".join(parts)
 
 

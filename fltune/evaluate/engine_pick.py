@@ -29,6 +29,10 @@ accept and actually run rather than a copy of its rule:
 - ``moe_backend``, ``linear_backend`` (``KernelConfig``; ``--moe-backend``,
   ``--linear-backend``): registered so the design stays open; vLLM has no per-device
   validator to ask, so their values must be named (``values=``).
+- ``allreduce_rms_fusion`` (``compilation_config.pass_config.fuse_allreduce_rms``, CLI
+  ``--compilation-config.pass_config.fuse_allreduce_rms true|false``): vLLM's fused
+  all-reduce + RMSNorm at TP > 1, on by vLLM's rule on Hopper/Blackwell with FlashInfer.
+  Values ``true``/``false`` on such a device; none elsewhere.
 
 :func:`adjudicate_engine` measures one e2e arm per value against vanilla vLLM — vLLM's own
 default, ``auto``, is itself the baseline arm — in one :func:`fltune.evaluate.e2e.run_e2e`
@@ -271,6 +275,50 @@ def _gdn_overlay(v: str) -> dict:
     return {"additional_config": {"gdn_prefill_backend": v}}
 
 
+def _list_allreduce_rms(cfg: dict, device_type: str) -> Listing:
+    """vLLM's all-reduce + RMSNorm fusion (FlashInfer / TensorRT-LLM; ROCm: AITER): the
+    values vLLM can run here. Its rule (``enable_allreduce_rms_fusion`` in
+    ``vllm/config/vllm.py``): on at TP > 1 on CUDA Hopper/Blackwell with FlashInfer
+    installed. It only acts where there is an all-reduce, so it is measured at TP > 1
+    (``--engine '{"tensor_parallel_size": N}'``). Why it is a choice fltune offers: a
+    routed RMSNorm stands in the fusion's way, and the fused kernel's gain against
+    vLLM's custom all-reduce + a separate norm is itself a per-device, per-size question
+    vLLM decides by rule (on the H200 at TP=2, session 8, it was on)."""
+    out = Listing("allreduce_rms_fusion", [], vllm=_vllm_version())
+    out.notes.append("acts only at TP > 1: measure with --engine "
+                     "'{\"tensor_parallel_size\": N}'")
+    if device_type != "cuda":
+        out.excluded["true"] = ("the fused all-reduce + RMSNorm kernels are CUDA's "
+                                "(Hopper/Blackwell, FlashInfer) or ROCm AITER's")
+        out.default = "false"
+        return out
+    try:
+        import torch
+        from vllm.utils.flashinfer import has_flashinfer
+        cap = torch.cuda.get_device_capability()
+        ok = has_flashinfer() and (cap == (9, 0) or cap[0] == 10)
+    except Exception as e:                                  # no vLLM / no device here
+        out.excluded["true"] = f"cannot tell: {type(e).__name__}: {e}"
+        return out
+    if not ok:
+        out.excluded["true"] = (f"vLLM fuses only on Hopper/Blackwell with FlashInfer "
+                                f"(this device: sm{cap[0]}{cap[1]})")
+        out.default = "false"
+        return out
+    out.values = ["true", "false"]
+    out.default = "true at TP > 1, false at TP 1"
+    return out
+
+
+def _allreduce_rms_overlay(v: str) -> dict:
+    """``compilation_config.pass_config.fuse_allreduce_rms``; ``auto`` sets nothing."""
+    if v == DEFAULT:
+        return {}
+    if v not in ("true", "false"):
+        raise ValueError(f"allreduce_rms_fusion: value {v!r} is not true, false or auto")
+    return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": v == "true"}}}
+
+
 CHOICES = {c.name: c for c in (
     EngineChoice("attention_backend", "vLLM's attention backend (FLASH_ATTN, FLASHINFER, "
                  "TRITON_ATTN, ...)", "--attention-backend", _top("attention_backend"),
@@ -286,6 +334,12 @@ CHOICES = {c.name: c for c in (
     EngineChoice("linear_backend", "KernelConfig.linear_backend (quantized GEMMs)",
                  "--linear-backend", _top("linear_backend"), ("--linear-backend",),
                  ((("--kernel-config",), "linear_backend"),), _list_kernel("linear_backend")),
+    EngineChoice("allreduce_rms_fusion", "vLLM's fused all-reduce + RMSNorm at TP > 1 "
+                 "(true, false)", "--compilation-config.pass_config.fuse_allreduce_rms",
+                 _allreduce_rms_overlay,
+                 ("--compilation-config.pass_config.fuse_allreduce_rms",
+                  "-cc.pass_config.fuse_allreduce_rms"),
+                 ((("--compilation-config", "-cc"), "pass_config"),), _list_allreduce_rms),
 )}
 
 
@@ -401,7 +455,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
     decision, value, reason, verdicts = judge(per_value)
     info = getattr(result, "arms_info", None) or {}
-    key = _reported_key_any(result) or model_key(served)
+    key = _reported_key_any(result) or model_key(
+        served, tp=int((engine or {}).get("tensor_parallel_size") or 1))
     scen = [_scenario_json(s) for s in scenarios]
     ev_values = {}
     for v in values:

@@ -193,7 +193,7 @@ def _model_key(runner) -> Optional[str]:
 
     hf = getattr(getattr(runner, "model_config", None), "hf_config", None)
     try:
-        return model_key(hf) if hf is not None else None
+        return model_key(hf, tp=int(getattr(runner, "tp_size", 1) or 1)) if hf is not None else None
     except Exception:
         return None
 

@@ -81,15 +81,16 @@ class FltunePluginError(RuntimeError):
 
 
 def served_model_key(vllm_config) -> Optional[str]:
-    """The served model's key (``dispatch.manifest.model_key``: architecture and dimensions)
-    from vLLM's config, or None when vLLM does not say (no model config)."""
+    """The served model's key (``dispatch.manifest.model_key``: architecture, dimensions and
+    tensor-parallel size) from vLLM's config, or None when vLLM does not say (no model config)."""
     from ...dispatch.manifest import model_key
 
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     if hf is None:
         return None
+    tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
     try:
-        return model_key(hf)
+        return model_key(hf, tp=int(tp or 1))
     except Exception:
         return None
 

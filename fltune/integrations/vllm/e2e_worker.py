@@ -76,12 +76,8 @@ class Worker:
         from vllm import LLM, SamplingParams
         self.SamplingParams = SamplingParams
         engine = dict(spec["engine"])
-        self.trace_dir = None
-        if self.cuda and int(engine.get("tensor_parallel_size") or 1) > 1:
-            # the model runs in vLLM's rank processes: the kernel profile goes through
-            # vLLM's own worker profiler (:meth:`_profiled_ranks`)
-            self.trace_dir = tempfile.mkdtemp(prefix="fltune-e2e-trace-")
-            engine["profiler_config"] = worker_profiler_config(self.trace_dir)
+        # tensor parallelism: the model runs in vLLM's rank processes (:meth:`_profiled_ranks`)
+        self.ranks = int(engine.get("tensor_parallel_size") or 1) > 1
         t0 = time.perf_counter()
         self.llm = LLM(model=spec["model_dir"], **engine)
         self.init_s = time.perf_counter() - t0
@@ -180,7 +176,7 @@ class Worker:
             r_long = dict(self.rank_totals)
             k_short, wall_short = self._profiled(prompts, 1)
             steps = scenario["output_len"] - 1
-            if self.trace_dir:
+            if self.ranks:
                 ranks = {r: (r_long[r] - self.rank_totals.get(r, 0.0)) / steps
                          for r in r_long}
             names = set(k_long) | set(k_short)
@@ -194,11 +190,11 @@ class Worker:
             k, wall = self._profiled(prompts, 1)
             per = {n: (v[1], v[0]) for n, v in k.items()}
             total = sum(v[1] for v in k.values())
-            if self.trace_dir:
+            if self.ranks:
                 ranks = dict(self.rank_totals)
         tops = sorted(per.items(), key=lambda kv: -kv[1][0])[:top]
         extra = {} if ranks is None else {
-            "source": "vLLM worker profiler, rank 0",
+            "source": "torch.profiler in each rank process (collective_rpc), rank 0",
             "rank_kernel_us_per_step": {f"tp{r}": round(v, 3) for r, v in sorted(ranks.items())}}
         coll = {n: v for n, v in per.items() if is_collective(n)}
         if coll:       # every collective kernel, not only those among the top
@@ -211,7 +207,7 @@ class Worker:
                                  "calls_per_step": round(c, 3)} for n, (us, c) in tops]}
 
     def _profiled(self, prompts, n: int):
-        if self.trace_dir:
+        if self.ranks:
             return self._profiled_ranks(prompts, n)
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as p:
@@ -220,19 +216,25 @@ class Worker:
 
     def _profiled_ranks(self, prompts, n: int):
         """Tensor parallelism: the kernels run in vLLM's rank processes, out of this
-        process's torch.profiler. vLLM's worker profiler (``LLM.start_profile``, each rank
-        a trace file) sees them, the collectives included. The figure is rank 0's (the
-        ranks run the same kernels in lock step; each rank's total is kept)."""
-        before = set(os.listdir(self.trace_dir))
-        self.llm.start_profile()
+        process's torch.profiler. Each rank runs the same torch.profiler around the run,
+        started and stopped through ``LLM.collective_rpc`` (:func:`rank_profile_start`,
+        :func:`rank_profile_stop`), and sends back its kernel table; the collectives are
+        in it. The figure is rank 0's (the ranks run the same kernels in lock step; each
+        rank's total is kept).
+
+        Why not vLLM's own worker profiler (``profiler_config``, ``LLM.start_profile``):
+        on the H200 (vLLM 0.24, TP=2, session 8) it left no trace file that this process
+        could find, and it writes whole traces to disk where a table of kernels is all
+        that is needed."""
+        started = self.llm.collective_rpc(rank_profile_start, args=("cuda",))
         try:
             wall, _ = self.gen(prompts, n)
         finally:
-            self.llm.stop_profile()
-        new = sorted(set(os.listdir(self.trace_dir)) - before)
-        per_rank = rank_kernels(self.trace_dir, new)
-        if not per_rank:
-            raise RuntimeError(f"vLLM's worker profiler wrote no trace into {self.trace_dir}")
+            got = self.llm.collective_rpc(rank_profile_stop)
+        per_rank = {int(r["rank"]): r["kernels"] for r in got}
+        if len(per_rank) != len(started):
+            raise RuntimeError(f"{len(started)} ranks started a profile, "
+                               f"{len(per_rank)} distinct ranks answered: {sorted(per_rank)}")
         self.rank_totals = {r: sum(v[1] for v in k.values()) for r, k in per_rank.items()}
         return per_rank[min(per_rank)], wall
 
@@ -358,35 +360,46 @@ def is_collective(kernel_name: str) -> bool:
     return any(k in n for k in _COLLECTIVE)
 
 
-def worker_profiler_config(trace_dir: str) -> dict:
-    """vLLM's ``profiler_config`` for :meth:`Worker._profiled_ranks`: torch traces of the
-    rank processes only (the front end runs no kernel), plain JSON, no stacks and no
-    summary table (both slow and unused here)."""
-    return {"profiler": "torch", "torch_profiler_dir": os.path.abspath(trace_dir),
-            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
-            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True}
+def rank_profile_start(worker, activity: str = "cuda") -> int:
+    """Run in each rank process by ``LLM.collective_rpc``: start a torch.profiler there
+    (``activity``: "cuda" for GPU kernels, "cpu" where there is none) and keep it on the
+    worker object until :func:`rank_profile_stop`. Returns the rank."""
+    from torch.profiler import ProfilerActivity, profile
+    act = ProfilerActivity.CUDA if activity == "cuda" else ProfilerActivity.CPU
+    prof = profile(activities=[act])
+    prof.start()
+    worker._fltune_profile = (prof, activity)
+    return _tp_rank(worker)
 
 
-def rank_kernels(trace_dir: str, names) -> dict:
-    """{tensor-parallel rank: {kernel name: [count, total µs]}} of the trace files ``names``
-    in ``trace_dir`` written by vLLM's worker profiler (``<prefix>_dp0_pp0_tpR_...`` +
-    torch's ``.<pid>.<ns>.pt.trace.json``). Each file is read, then removed."""
-    import re
-    out: dict = {}
-    for name in names:
-        m = re.search(r"(?:^|_)tp(\d+)(?:_|\.)", name)
-        if not m or ".pt.trace.json" not in name:
-            continue
-        path = os.path.join(trace_dir, name)
+def rank_profile_stop(worker) -> dict:
+    """Run in each rank process by ``LLM.collective_rpc``: stop the profiler
+    :func:`rank_profile_start` left there; returns ``{"rank", "kernels": {name: [count,
+    µs]}, "events"}`` (``events``: every event of the trace, CPU ones included)."""
+    import torch
+    prof, activity = worker._fltune_profile
+    del worker._fltune_profile
+    if activity == "cuda":
+        torch.cuda.synchronize()
+    prof.stop()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
         with open(path) as f:
             tr = json.load(f)
+    finally:
         os.remove(path)
-        agg = out.setdefault(int(m.group(1)), {})
-        for k, (c, us) in trace_kernels(tr).items():
-            a = agg.setdefault(k, [0, 0.0])
-            a[0] += c
-            a[1] += us
-    return out
+    return {"rank": _tp_rank(worker), "kernels": trace_kernels(tr),
+            "events": sum(1 for e in tr.get("traceEvents", []) if e.get("ph") == "X")}
+
+
+def _tp_rank(worker) -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+        return int(get_tp_group().rank_in_group)
+    except Exception:
+        return int(getattr(worker, "rank", 0) or 0)
 
 
 def trace_kernels(tr: dict) -> dict:

@@ -72,6 +72,22 @@ def _device_facts() -> tuple:
     return "cpu", None
 
 
+def tp_size_of(vllm_args: Sequence[str]) -> int:
+    """The tensor-parallel size vLLM's command line asks for (``--tensor-parallel-size N``,
+    ``-tp N``, ``--tensor-parallel-size=N``); 1 when absent or unreadable."""
+    args = list(vllm_args)
+    for i, a in enumerate(args):
+        name, eq, val = a.partition("=")
+        if name in ("--tensor-parallel-size", "-tp"):
+            if not eq:
+                val = args[i + 1] if i + 1 < len(args) else ""
+            try:
+                return max(1, int(val))
+            except ValueError:
+                return 1
+    return 1
+
+
 def served_model_key(vllm_args: Sequence[str]) -> Optional[str]:
     """The model key (``dispatch.manifest.model_key``) of the model in vLLM's arguments, when
     its config can be read here without the network (a local directory, or the HF cache);
@@ -92,13 +108,14 @@ def served_model_key(vllm_args: Sequence[str]) -> Optional[str]:
             model = a.split("=", 1)[1]
     if not model:
         return None
+    tp = tp_size_of(args)
     cfg = Path(model) / "config.json"
     try:
         if cfg.is_file():
-            return model_key(json.loads(cfg.read_text()))
+            return model_key(json.loads(cfg.read_text()), tp=tp)
         from transformers import AutoConfig
 
-        return model_key(AutoConfig.from_pretrained(model, local_files_only=True))
+        return model_key(AutoConfig.from_pretrained(model, local_files_only=True), tp=tp)
     except Exception:
         return None
 
