@@ -35,45 +35,23 @@ ls "$stage"/ray-2.60.0-cp312-*.whl >/dev/null 2>&1 \
 rm -rf .rc[0-9]*
 n=$(python3 - "$stage" "$cap_mib" <<'PY'
 import os, sys
-stage, cap = sys.argv[1], int(sys.argv[2]) * 2**20
+sys.path.insert(0, "scripts")
+from carry_pack import MiB, first_fit, link_bins, split
+stage, cap = sys.argv[1], int(sys.argv[2]) * MiB
 items = []
 for f in sorted(os.listdir(stage)):
-    p = os.path.join(stage, f)
     if f.startswith("ray.part"):
-        os.remove(p)
+        os.remove(os.path.join(stage, f))
 for f in sorted(os.listdir(stage)):
     p = os.path.join(stage, f)
     if f.startswith("ray-") and f.endswith(".whl"):
-        with open(p, "rb") as src:
-            i = 0
-            while chunk := src.read(cap - 2**20):
-                part = os.path.join(stage, f"ray.part{i}")
-                with open(part, "wb") as out:
-                    out.write(chunk)
-                items.append(part)
-                i += 1
+        items += split(p, cap - MiB, lambda i: os.path.join(stage, f"ray.part{i}"))
         with open(os.path.join(stage, "RAY_WHEEL"), "w") as out:
             out.write(f + "\n")
         items.append(os.path.join(stage, "RAY_WHEEL"))
     elif f.endswith(".whl"):
         items.append(p)
-items.sort(key=os.path.getsize, reverse=True)
-bins = []
-for p in items:
-    s = os.path.getsize(p)
-    for b in bins:
-        if b[0] + s <= cap:
-            b[0] += s
-            b[1].append(p)
-            break
-    else:
-        bins.append([s, [p]])
-for k, (_, ps) in enumerate(bins, 1):
-    d = f".rc{k}"
-    os.makedirs(d, exist_ok=True)
-    for p in ps:
-        os.link(p, os.path.join(d, os.path.basename(p)))
-print(len(bins))
+print(link_bins(first_fit(items, cap), ".rc"))
 PY
 )
 for k in $(seq 1 "$n"); do exclude ".rc$k"; done

@@ -61,7 +61,9 @@ rm -rf "$stage/out" .sgc[0-9]*
 mkdir -p "$stage/out"
 n=$(python3 - "$stage" "$cap_mib" "${SGLANG_STAGE_FA3:-0}" <<'PY'
 import os, shutil, sys, zipfile
-stage, cap, keep_fa3 = sys.argv[1], int(sys.argv[2]) * 2**20, sys.argv[3] == "1"
+sys.path.insert(0, "scripts")
+from carry_pack import MiB, first_fit, link_bins, split
+stage, cap, keep_fa3 = sys.argv[1], int(sys.argv[2]) * MiB, sys.argv[3] == "1"
 dl, out = os.path.join(stage, "dl"), os.path.join(stage, "out")
 for f in sorted(os.listdir(dl)):
     src = os.path.join(dl, f)
@@ -83,35 +85,12 @@ for f in sorted(os.listdir(dl)):
 items = []
 for f in sorted(os.listdir(out)):
     p = os.path.join(out, f)
-    if os.path.getsize(p) > cap - 2**20:                  # too big for one folder: parts
-        with open(p, "rb") as fh:
-            i = 0
-            while chunk := fh.read(cap - 2**20):
-                part = os.path.join(out, f"{f}.part{i:03d}")
-                with open(part, "wb") as o:
-                    o.write(chunk)
-                items.append(part)
-                i += 1
+    if os.path.getsize(p) > cap - MiB:                    # too big for one folder: parts
+        items += split(p, cap - MiB, lambda i: os.path.join(out, f"{f}.part{i:03d}"))
         os.remove(p)
     else:
         items.append(p)
-items.sort(key=os.path.getsize, reverse=True)
-bins = []
-for p in items:
-    s = os.path.getsize(p)
-    for b in bins:
-        if b[0] + s <= cap:
-            b[0] += s
-            b[1].append(p)
-            break
-    else:
-        bins.append([s, [p]])
-for k, (_, ps) in enumerate(bins, 1):
-    d = f".sgc{k}"
-    os.makedirs(d, exist_ok=True)
-    for p in ps:
-        os.link(p, os.path.join(d, os.path.basename(p)))
-print(len(bins))
+print(link_bins(first_fit(items, cap), ".sgc"))
 PY
 )
 for k in $(seq 1 "$n"); do exclude ".sgc$k"; done

@@ -32,50 +32,31 @@ margin_mib=${VE_MARGIN_MIB:-6}
 rm -rf .ve[0-9]*
 n=$(python3 - "$stage" "$tree_kib" "$whl_kib" "$margin_mib" <<'PY'
 import os, sys
+sys.path.insert(0, "scripts")
+from carry_pack import MiB, first_fit, link_bins, split
 stage, tree_kib, whl_kib, margin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-MiB = 2**20
 cap = 64 * MiB - tree_kib * 1024 - margin * MiB
 if cap < 16 * MiB:
     sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) leaves under 16 MiB a call")
 last_cap = cap - whl_kib * 1024                # the last folder travels with .whl
+for f in sorted(os.listdir(stage)):
+    if f.startswith("vpart"):
+        os.remove(os.path.join(stage, f))
 items = []
 for f in sorted(os.listdir(stage)):
     p = os.path.join(stage, f)
-    if f.startswith("vpart"):
-        os.remove(p)
-for f in sorted(os.listdir(stage)):
-    p = os.path.join(stage, f)
     if f.startswith("vllm-0.24.0") and f.endswith(".whl"):
-        with open(p, "rb") as src:
-            i = 0
-            while chunk := src.read(last_cap - MiB):
-                part = os.path.join(stage, f"vpart{i:02d}")
-                with open(part, "wb") as out:
-                    out.write(chunk)
-                items.append(part)
-                i += 1
+        items += split(p, last_cap - MiB, lambda i: os.path.join(stage, f"vpart{i:02d}"))
     elif f.endswith(".whl"):
         items.append(p)
-items.sort(key=os.path.getsize, reverse=True)
-bins = []                                          # first fit, largest first
-for p in items:
-    s = os.path.getsize(p)
-    for b in bins:
-        if b[0] + s <= cap:
-            b[0] += s
-            b[1].append(p)
-            break
-    else:
-        bins.append([s, [p]])
-bins.sort(key=lambda b: -b[0])                     # the smallest last: it fits beside .whl
+bins = sorted(first_fit(items, cap), key=lambda b: -b[0])   # the smallest last: beside .whl
 if bins and bins[-1][0] > last_cap:
     bins.append([0, []])
-for k, (_, ps) in enumerate(bins, 1):
-    d = f".ve{k}"
-    os.makedirs(d, exist_ok=True)
-    for p in ps:
-        os.link(p, os.path.join(d, os.path.basename(p)))
-print(len(bins))
+n = link_bins(bins, ".ve")
+if not bins[-1][1]:                            # so that the call's `cp .veN/*` finds a file
+    with open(f".ve{n}/ONLY_WHL", "w") as out:
+        out.write("nothing but .whl travels in this call\n")
+print(n)
 PY
 )
 du -sh .ve[0-9]* | tr '\n' ' '; echo

@@ -336,15 +336,20 @@ def host_delta(a: dict, b: dict) -> dict:
 def kernels_of(prof) -> dict:
     """{kernel name: [count, total µs]} of a torch.profiler run (GPU kernels, memcpy and
     memset), from its Chrome trace (as research/tools/prof.py)."""
+    return trace_kernels(chrome_trace(prof))
+
+
+def chrome_trace(prof) -> dict:
+    """A stopped torch.profiler run's Chrome trace, as a dict (through a temporary file:
+    torch exports to a path only)."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
         prof.export_chrome_trace(path)
         with open(path) as f:
-            tr = json.load(f)
+            return json.load(f)
     finally:
         os.remove(path)
-    return trace_kernels(tr)
 
 
 #: kernel names of the collectives a tensor-parallel vLLM model adds: NCCL's, vLLM's custom
@@ -382,14 +387,7 @@ def rank_profile_stop(worker) -> dict:
     if activity == "cuda":
         torch.cuda.synchronize()
     prof.stop()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            tr = json.load(f)
-    finally:
-        os.remove(path)
+    tr = chrome_trace(prof)
     return {"rank": _tp_rank(worker), "kernels": trace_kernels(tr),
             "events": sum(1 for e in tr.get("traceEvents", []) if e.get("ph") == "X")}
 

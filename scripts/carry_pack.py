@@ -1,0 +1,54 @@
+"""Pack files into carry folders for the GPU machine's device calls (stage-vllm.sh,
+stage-ray.sh, stage-sglang.sh).
+
+A device call carries at most 64 MiB, the checkout itself included, so a large wheel
+travels as parts and the files are spread over folders (``.ve1``, ``.rc1``, ``.sgc1``, …),
+one folder a call, made back to back while the machine stays warm. The scripts differ in
+what they download and how they name parts (each install step on the machine joins its
+own names); the packing is this module's.
+"""
+from __future__ import annotations
+
+import os
+
+MiB = 2**20
+
+
+def split(path: str, chunk: int, part_path) -> list:
+    """``path`` cut into files of at most ``chunk`` bytes, named ``part_path(i)``."""
+    parts = []
+    with open(path, "rb") as src:
+        i = 0
+        while data := src.read(chunk):
+            part = part_path(i)
+            with open(part, "wb") as out:
+                out.write(data)
+            parts.append(part)
+            i += 1
+    return parts
+
+
+def first_fit(items: list, cap: int) -> list:
+    """Folders of at most ``cap`` bytes: the files, largest first, each into the first
+    folder with room. Returns ``[[total bytes, [paths]], ...]``."""
+    bins: list = []
+    for p in sorted(items, key=os.path.getsize, reverse=True):
+        s = os.path.getsize(p)
+        for b in bins:
+            if b[0] + s <= cap:
+                b[0] += s
+                b[1].append(p)
+                break
+        else:
+            bins.append([s, [p]])
+    return bins
+
+
+def link_bins(bins: list, prefix: str) -> int:
+    """Hard-link each folder's files into ``<prefix>1``, ``<prefix>2``, …; returns the count."""
+    for k, (_, paths) in enumerate(bins, 1):
+        d = f"{prefix}{k}"
+        os.makedirs(d, exist_ok=True)
+        for p in paths:
+            os.link(p, os.path.join(d, os.path.basename(p)))
+    return len(bins)
