@@ -14,8 +14,9 @@
 #                  (benchmarks/tp_serve.py).
 #   PHASE=tpab     the in-context instrument at TP=2 (`fltune bench --e2e`, engine
 #                  tensor_parallel_size=2): vanilla, aa (A/A: the noise), all (the DB's race
-#                  winners routed), [auto]; kernel time per step from vLLM's worker profiler
-#                  (rank 0), the collectives' kernels listed apart.
+#                  winners routed), [auto]. Run in session 8 with vLLM's worker profiler for
+#                  the kernel profile, which left no trace; the instrument now profiles each
+#                  rank through LLM.collective_rpc (PHASE=tpprof).
 #   PHASE=tpprof   (not run yet) the kernel profile at TP=2, collectives included: the
 #                  instrument with few reps (REPS, default 3) whose aim is the per-rank kernel
 #                  table (torch.profiler in each rank through LLM.collective_rpc), arms vanilla

@@ -57,6 +57,11 @@ def main():
                                     "plugin's own, auto)")
     ap.add_argument("--no-vanilla", action="store_true",
                     help="skip the plugin-off server the tokens are compared with")
+    ap.add_argument("--sequential", action="store_true",
+                    help="start the vanilla server, wait until it is ready, then fltune's "
+                         "(each vLLM sizes itself from the device's free memory while it "
+                         "profiles; two starting at once can disturb each other's sizing — "
+                         "they did not on the H200 at --gpu-mem 0.12, session 8)")
     ap.add_argument("--vllm-arg", action="append", default=[])
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -74,13 +79,25 @@ def main():
         arms[f"tp{a.tp}-vanilla"] = (server_cmd(model, a.port + 1, a, None), base, a.port + 1)
     doc = {"profile": a.profile, "tp": a.tp, "route": a.route,
            "cmd": {n: c for n, (c, _, _) in arms.items()}}
-    procs = {n: subprocess.Popen(c, env=e, stdout=open(log_path(a, n), "w"),
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-             for n, (c, e, _) in arms.items()}
+    def start(n):
+        c, e, _ = arms[n]
+        return subprocess.Popen(c, env=e, stdout=open(log_path(a, n), "w"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
     name = f"tp{a.tp}"
+    ports = {n: p for n, (_, _, p) in arms.items()}
+    order = sorted(arms, key=lambda n: n == name)          # vanilla first
+    procs = {}
     try:
-        ready, failed = wait_ready(procs, {n: p for n, (_, _, p) in arms.items()},
-                                   a.start_timeout, a)
+        if a.sequential:
+            ready, failed = {}, {}
+            for n in order:
+                procs[n] = start(n)
+                r, f = wait_ready({n: procs[n]}, {n: ports[n]}, a.start_timeout, a)
+                ready.update(r)
+                failed.update(f)
+        else:
+            procs = {n: start(n) for n in order}
+            ready, failed = wait_ready(procs, ports, a.start_timeout, a)
         doc["ready_s"], doc["failed"] = ready, failed
         if name in failed:
             why = failed[name].get("why") or f"exited with {failed[name]['returncode']}"
@@ -113,14 +130,16 @@ def main():
             with open(f) as fh:
                 c = json.load(fh)
             ranks[os.path.basename(f)] = {k: c.get(k) for k in (
-                "fingerprint", "routed", "native_for_fusion", "layers", "counters",
-                "additional_config", "compiled_with_inductor")}
+                "fingerprint", "model_key", "routed", "native_for_fusion", "layers",
+                "counters", "additional_config", "compiled_with_inductor")}
             os.remove(f)
         doc["ranks"] = ranks
         # the processes that ran the model: those with routed calls (the API server and
         # engine core write a counters file too, with no calls)
         busy = {k: r for k, r in ranks.items() if any((r.get("counters") or {}).values())}
-        group = busy or ranks
+        # without calls (nothing routed), the ranks are the processes that ran vLLM's
+        # load_model hook: those know the served model's key
+        group = busy or {k: r for k, r in ranks.items() if r.get("model_key")}
         seen = {(r["fingerprint"], json.dumps(r.get("routed"), sort_keys=True))
                 for r in group.values()}
         doc["ranks_with_calls"] = sorted(busy)

@@ -13,7 +13,7 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel); cd "$top"
 stage=.vstage
-exclude() { grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude; }
+exclude() { grep -qxF "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude; }
 exclude "$stage"; exclude ".ve[0-9]*"
 mkdir -p "$stage"
 if ! ls "$stage"/vllm-0.24.0-*.whl >/dev/null 2>&1; then
@@ -26,7 +26,8 @@ fi
 ls "$stage"/vllm-0.24.0-*.whl >/dev/null 2>&1 \
   || { echo "stage-vllm.sh: the vLLM 0.24.0 wheel did not download (pip's output above)" >&2; exit 1; }
 tree_kib=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } \
-            | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+            | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)  # deleted files: du errs
+[ -n "$tree_kib" ] || { echo "stage-vllm.sh: could not size the checkout" >&2; exit 1; }
 whl_kib=$(du -sk .whl 2>/dev/null | cut -f1); whl_kib=${whl_kib:-0}
 margin_mib=${VE_MARGIN_MIB:-6}
 rm -rf .ve[0-9]*
@@ -36,9 +37,10 @@ sys.path.insert(0, "scripts")
 from carry_pack import MiB, first_fit, link_bins, split
 stage, tree_kib, whl_kib, margin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cap = 64 * MiB - tree_kib * 1024 - margin * MiB
-if cap < 16 * MiB:
-    sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) leaves under 16 MiB a call")
 last_cap = cap - whl_kib * 1024                # the last folder travels with .whl
+if last_cap < 16 * MiB:
+    sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) and .whl "
+             f"({whl_kib // 1024} MiB) leave under 16 MiB a call")
 for f in sorted(os.listdir(stage)):
     if f.startswith("vpart"):
         os.remove(os.path.join(stage, f))
@@ -47,6 +49,9 @@ for f in sorted(os.listdir(stage)):
     p = os.path.join(stage, f)
     if f.startswith("vllm-0.24.0") and f.endswith(".whl"):
         items += split(p, last_cap - MiB, lambda i: os.path.join(stage, f"vpart{i:02d}"))
+        with open(os.path.join(stage, "VLLM_WHEEL"), "w") as out:   # its name, for the join
+            out.write(f + "\n")
+        items.append(os.path.join(stage, "VLLM_WHEEL"))
     elif f.endswith(".whl"):
         items.append(p)
 bins = sorted(first_fit(items, cap), key=lambda b: -b[0])   # the smallest last: beside .whl
@@ -69,4 +74,4 @@ for k in $(seq 1 "$n"); do
     echo "  $k/$n  carry [\".ve$k\", \".whl\"]   command: mkdir -p /tmp/stage && cp .ve$k/* /tmp/stage/ && VLLM_INSTALL; <your run>"
   fi
 done
-echo "VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && cat \$(ls vpart* | sort) > vllm-0.24.0-cp38-abi3-manylinux_2_28_x86_64.whl && rm vpart* && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )"
+echo "VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && cat \$(ls vpart* | sort) > \$(cat VLLM_WHEEL) && rm vpart* && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )"

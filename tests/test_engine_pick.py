@@ -176,6 +176,11 @@ def test_registry_lists_what_vllm_cpu_offers_here():
     assert none.values == [] and "no gated-delta-net layers" in none.notes[0]
     ar = ep.available("allreduce_rms_fusion", str(FIXTURE), "cpu")
     assert ar.values == [] and "CUDA" in ar.excluded["true"] and "TP > 1" in ar.notes[0]
+    # the all-reduce fusion means nothing at TP=1: refused before any run, naming the fix
+    with pytest.raises(ValueError, match="tensor-parallel size >= 2.*tensor_parallel_size"):
+        ep.adjudicate_engine(str(HERE / "fixtures" / "h200-schema2-2026-11-29.db"),
+                             str(FIXTURE), "allreduce_rms_fusion", ["true"],
+                             measure=lambda *a, **k: pytest.fail("must not measure"))
     moe = ep.available("moe_backend", str(FIXTURE), "cpu")
     assert moe.values == [] and "name the values" in moe.notes[0] and "triton" in moe.notes[0]
     # nothing offered but vLLM's default: refused before any run, naming why and the way out
@@ -220,7 +225,12 @@ def test_overlays_flags_and_the_users_own_setting():
                                       "false"]
     assert ar.user_setting(["-cc.pass_config.fuse_allreduce_rms=false"])
     assert ar.user_setting(["-cc", '{"pass_config": {"fuse_norm_quant": true}}'])
-    assert ar.user_setting(["-cc", '{"cudagraph_mode": "FULL"}']) is None
+    # any JSON compilation config of the user's: vLLM would fold the dotted flag into a
+    # JSON placed after it and drop the user's, so fltune leaves the choice alone
+    assert ar.user_setting(["-cc", '{"cudagraph_mode": "FULL"}']) == \
+        '-cc {"cudagraph_mode": "FULL"}'
+    assert ar.user_setting(["--compilation-config={}"]) == "--compilation-config {}"
+    assert ar.user_setting(["--model", "m", "-cc.mode", "3"]) is None
     assert ep.parse_choice_spec("attention_backend=FLASH_ATTN, FLASHINFER") == (
         "attention_backend", ["FLASH_ATTN", "FLASHINFER"])
     with pytest.raises(ValueError, match="unknown engine choice"):

@@ -497,9 +497,20 @@ def test_model_key_names_the_tensor_parallel_size():
                      (["--model", str(FIXTURE), "--tensor-parallel-size", "2"], 2),
                      (["serve", str(FIXTURE), "-tp", "2"], 2),
                      (["--model", str(FIXTURE), "--tensor-parallel-size=8"], 8),
+                     (["--model", str(FIXTURE), "--tensor_parallel_size", "4"], 4),
+                     (["--model", str(FIXTURE), "-tp", "2", "-tp", "4"], 4),   # last wins
                      (["--model", str(FIXTURE), "-tp", "x"], 1)):
         assert serve.tp_size_of(args) == tp, args
         assert serve.served_model_key(args) == model_key(hf, tp=tp), args
+    # the way to measure an unmeasured TP=2 model names the TP size (or it would store a
+    # TP=1 decision that the TP=2 ranks never look up)
+    from fltune.integrations.vllm import plugin
+    assert plugin.tp_of_key(key1 + ":tp2") == 2 and plugin.tp_of_key(key1) == 1
+    hint = plugin.adjudicate_hint(SimpleNamespace(settings=None, typed=None,
+                                                  model=key1 + ":tp2"), "m")
+    assert """--engine '{"tensor_parallel_size": 2}'""" in hint
+    assert "--engine" not in plugin.adjudicate_hint(
+        SimpleNamespace(settings=None, typed=None, model=key1), "m")
 
 
 @needs_vllm

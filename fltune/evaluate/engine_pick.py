@@ -97,7 +97,11 @@ class EngineChoice:
     """One engine-wide setting: its name, how a value becomes engine arguments (``overlay``
     for ``Arm.engine``; ``flag`` for ``vllm serve``), the flags and JSON configs through
     which a user sets it (``user_flags``; ``json_flags``: (flags, key inside the JSON)), and
-    how to list its values here (``lister(cfg, device_type) -> Listing``)."""
+    how to list its values here (``lister(cfg, device_type) -> Listing``). A ``json_flags``
+    key of ``None`` means any JSON given to those flags is the user's setting: the choice
+    is a dotted flag (``--compilation-config.pass_config.x``), which vLLM folds into one
+    ``--compilation-config`` JSON placed last, so that argparse would silently drop the
+    user's own JSON; fltune then leaves the setting alone."""
     name: str
     doc: str
     flag: str
@@ -105,6 +109,8 @@ class EngineChoice:
     user_flags: tuple
     json_flags: tuple = ()
     lister: Optional[Callable] = None
+    #: the least tensor-parallel size at which the setting acts (the all-reduce fusion: 2)
+    min_tp: int = 1
 
     def serve_args(self, value: str) -> list:
         """The ``vllm serve`` arguments that set ``value``."""
@@ -136,6 +142,8 @@ class EngineChoice:
                         doc = json.loads(raw)
                     except json.JSONDecodeError:
                         continue
+                    if isinstance(doc, dict) and key is None:
+                        return f"{f} {raw}"
                     if isinstance(doc, dict) and key in doc:
                         return f"{f} {{{json.dumps(key)}: {json.dumps(doc[key])}}}"
         return None
@@ -339,7 +347,7 @@ CHOICES = {c.name: c for c in (
                  _allreduce_rms_overlay,
                  ("--compilation-config.pass_config.fuse_allreduce_rms",
                   "-cc.pass_config.fuse_allreduce_rms"),
-                 ((("--compilation-config", "-cc"), "pass_config"),), _list_allreduce_rms),
+                 ((("--compilation-config", "-cc"), None),), _list_allreduce_rms, min_tp=2),
 )}
 
 
@@ -432,6 +440,11 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
         raise DBError(f"calibration DB {db_path} does not exist")
     src, cfg = load_config(model)
     served = _served_config(model, cfg)
+    tp = int((engine or {}).get("tensor_parallel_size") or 1)
+    if tp < ch.min_tp:
+        raise ValueError(f"{choice} acts only at tensor-parallel size >= {ch.min_tp} (this "
+                         f"run: {tp}); measure it with --engine "
+                         f"'{{\"tensor_parallel_size\": {ch.min_tp}}}' (or more)")
     if listing is None and values is None:
         listing = ch.lister(served, device_type)
     if values is None:

@@ -427,6 +427,9 @@ def main(argv=None) -> int:
             with profile(activities=[ProfilerActivity.CUDA]):
                 worker.torch.ones(8, device="cuda").add_(1)
                 worker.sync()
+            if worker.ranks:     # and in each rank process, where the kernels run at TP > 1
+                worker.llm.collective_rpc(rank_profile_start, args=("cuda",))
+                worker.llm.collective_rpc(rank_profile_stop)
     except BaseException as e:   # reported to the parent, then exit non-zero
         traceback.print_exc()
         _reply({"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]})

@@ -407,8 +407,16 @@ def adjudicate_hint(plan: Plan, model: Optional[str] = None) -> str:
     as complete as the plan knows it."""
     db = (plan.settings.db if plan.settings is not None and plan.settings.db else None) or (
         (plan.typed.source_db or {}).get("path") if plan.typed is not None else None)
-    return (f"fltune adjudicate --db {db or 'X.db'} --model {model or 'MODEL'} "
+    tp = tp_of_key(plan.model)
+    eng = (f" --engine '{{\"tensor_parallel_size\": {tp}}}'" if tp > 1 else "")
+    return (f"fltune adjudicate --db {db or 'X.db'} --model {model or 'MODEL'}{eng} "
             f"(then freeze again)")
+
+
+def tp_of_key(key: Optional[str]) -> int:
+    """The tensor-parallel size a model key names (``…:tpN``; 1 without the suffix)."""
+    last = (key or "").rsplit(":", 1)[-1]
+    return int(last[2:]) if last.startswith("tp") and last[2:].isdigit() else 1
 
 
 def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:

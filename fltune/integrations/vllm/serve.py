@@ -74,18 +74,20 @@ def _device_facts() -> tuple:
 
 def tp_size_of(vllm_args: Sequence[str]) -> int:
     """The tensor-parallel size vLLM's command line asks for (``--tensor-parallel-size N``,
-    ``-tp N``, ``--tensor-parallel-size=N``); 1 when absent or unreadable."""
+    ``--tensor_parallel_size N``, ``-tp N``, ``=N``; the last one given wins, as in
+    argparse); 1 when absent or unreadable. (A ``--config`` YAML is not read.)"""
     args = list(vllm_args)
+    tp = 1
     for i, a in enumerate(args):
         name, eq, val = a.partition("=")
-        if name in ("--tensor-parallel-size", "-tp"):
+        if name.replace("_", "-") in ("--tensor-parallel-size", "-tp"):
             if not eq:
                 val = args[i + 1] if i + 1 < len(args) else ""
             try:
-                return max(1, int(val))
+                tp = max(1, int(val))
             except ValueError:
-                return 1
-    return 1
+                tp = 1
+    return tp
 
 
 def served_model_key(vllm_args: Sequence[str]) -> Optional[str]:
