@@ -10,6 +10,7 @@ own names); the packing is this module's.
 from __future__ import annotations
 
 import os
+import sys
 
 MiB = 2**20
 
@@ -52,3 +53,20 @@ def link_bins(bins: list, prefix: str) -> int:
         for p in paths:
             os.link(p, os.path.join(d, os.path.basename(p)))
     return len(bins)
+
+
+def calls(prefix: str, n: int, dest: str, then: str) -> list:
+    """The device calls that carry ``<prefix>1..n`` into ``dest`` there, one a call; the last
+    also carries .whl and runs ``then``."""
+    out = []
+    for k in range(1, n + 1):
+        carry = f'["{prefix}{k}"]' if k < n else f'["{prefix}{k}", ".whl"]'
+        cmd = f"mkdir -p {dest} && cp {prefix}{k}/* {dest}/" + (f" && {then}" if k == n else "")
+        out.append(f"  {k}/{n}  carry {carry:<22} command: {cmd}")
+    return out
+
+
+if __name__ == "__main__":            # carry_pack.py calls PREFIX N DEST THEN
+    if len(sys.argv) != 6 or sys.argv[1] != "calls":
+        sys.exit("usage: carry_pack.py calls PREFIX N DEST THEN")
+    print("\n".join(calls(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])))

@@ -59,12 +59,6 @@ du -sh .rc[0-9]*
 echo
 echo "Ray staged in $n folders of at most $cap_mib MiB. On the GPU machine, make these calls back to"
 echo "back while it stays warm (each: carry the one folder named):"
-for k in $(seq 1 "$n"); do
-  if [ "$k" -lt "$n" ]; then
-    echo "  $k/$n  carry [\".rc$k\"]          command: mkdir -p /tmp/raystage && cp .rc$k/* /tmp/raystage/"
-  else
-    echo "  $k/$n  carry [\".rc$k\", \".whl\"]  command: mkdir -p /tmp/raystage && cp .rc$k/* /tmp/raystage/ && bash benchmarks/h200_ray.sh"
-  fi
-done
+python3 scripts/carry_pack.py calls .rc "$n" /tmp/raystage "bash benchmarks/h200_ray.sh"
 echo "(benchmarks/h200_ray.sh joins the parts and installs Ray into /tmp/raysite once per machine;"
 echo " .whl must hold a fltune wheel built from this checkout: pip wheel --no-deps -w .whl .)"

@@ -97,13 +97,7 @@ for k in $(seq 1 "$n"); do exclude ".sgc$k"; done
 du -sh .sgc[0-9]*
 echo
 echo "SGLang staged in $n folders of at most $cap_mib MiB. On the GPU machine, after vLLM's stage"
-echo "(/tmp/vsite, ../shared/device/stage-vllm.sh), make these calls back to back while it stays warm:"
-for k in $(seq 1 "$n"); do
-  if [ "$k" -lt "$n" ]; then
-    echo "  $k/$n  carry [\".sgc$k\"]          command: mkdir -p /tmp/sgstage && cp .sgc$k/* /tmp/sgstage/"
-  else
-    echo "  $k/$n  carry [\".sgc$k\", \".whl\"]  command: mkdir -p /tmp/sgstage && cp .sgc$k/* /tmp/sgstage/ && bash benchmarks/h200_sglang.sh"
-  fi
-done
+echo "(/tmp/vsite, scripts/stage-vllm.sh), make these calls back to back while it stays warm:"
+python3 scripts/carry_pack.py calls .sgc "$n" /tmp/sgstage "bash benchmarks/h200_sglang.sh"
 echo "(benchmarks/h200_sglang.sh joins the parts and installs SGLang into /tmp/sgsite once per machine;"
 echo " .whl must hold a fltune wheel built from this checkout: pip wheel --no-deps -w .whl .)"

@@ -67,11 +67,5 @@ PY
 du -sh .ve[0-9]* | tr '\n' ' '; echo
 echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
 echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named:"
-for k in $(seq 1 "$n"); do
-  if [ "$k" -lt "$n" ]; then
-    echo "  $k/$n  carry [\".ve$k\"]           command: mkdir -p /tmp/stage && cp .ve$k/* /tmp/stage/"
-  else
-    echo "  $k/$n  carry [\".ve$k\", \".whl\"]   command: mkdir -p /tmp/stage && cp .ve$k/* /tmp/stage/ && VLLM_INSTALL; <your run>"
-  fi
-done
+python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
 echo "VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && cat \$(ls vpart* | sort) > \$(cat VLLM_WHEEL) && rm vpart* && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )"

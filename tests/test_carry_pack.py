@@ -49,3 +49,12 @@ def test_first_fit_keeps_every_file_once_and_each_folder_under_its_cap(tmp_path)
     assert n == len(bins)
     assert sorted(f.name for k in range(1, n + 1) for f in (tmp_path / f".c{k}").iterdir()) \
         == sorted(Path(p).name for p in files)
+
+
+def test_calls_carry_each_folder_once_and_the_last_with_the_wheels_and_the_run():
+    lines = carry_pack.calls(".rc", 3, "/tmp/raystage", "bash run.sh")
+    assert len(lines) == 3
+    assert '[".rc1"]' in lines[0] and "cp .rc1/* /tmp/raystage/" in lines[0]
+    assert "bash run.sh" not in lines[0] + lines[1]
+    assert '[".rc3", ".whl"]' in lines[2] and lines[2].endswith(
+        "cp .rc3/* /tmp/raystage/ && bash run.sh")

@@ -504,8 +504,9 @@ def test_model_key_names_the_tensor_parallel_size():
         assert serve.served_model_key(args) == model_key(hf, tp=tp), args
     # the way to measure an unmeasured TP=2 model names the TP size (or it would store a
     # TP=1 decision that the TP=2 ranks never look up)
+    from fltune.dispatch.manifest import tp_of_key
     from fltune.integrations.vllm import plugin
-    assert plugin.tp_of_key(key1 + ":tp2") == 2 and plugin.tp_of_key(key1) == 1
+    assert tp_of_key(key1 + ":tp2") == 2 and tp_of_key(key1) == 1
     hint = plugin.adjudicate_hint(SimpleNamespace(settings=None, typed=None,
                                                   model=key1 + ":tp2"), "m")
     assert """--engine '{"tensor_parallel_size": 2}'""" in hint

@@ -128,6 +128,12 @@ def model_key(config, tp: int = 1) -> str:
     return ":".join(parts)
 
 
+def tp_of_key(key: Optional[str]) -> int:
+    """The tensor-parallel size a :func:`model_key` names (``…:tpN``; 1 without it)."""
+    last = (key or "").rsplit(":", 1)[-1]
+    return int(last[2:]) if last.startswith("tp") and last[2:].isdigit() else 1
+
+
 # ---- the type --------------------------------------------------------------------------
 
 @dataclass

@@ -159,6 +159,11 @@ def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
     return eng, notes
 
 
+def engine_tp(engine: dict | None) -> int:
+    """The tensor-parallel size an engine-arguments dict asks for (1 when it does not)."""
+    return int((engine or {}).get("tensor_parallel_size") or 1)
+
+
 def merge_engine(base: dict, over: dict | None) -> dict:
     """``over`` on ``base``; dict values (additional_config, ...) merged one level."""
     out = dict(base)
@@ -477,7 +482,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if pkg_root not in pp.split(os.pathsep):
         extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
 
-    tp = int(eng.get("tensor_parallel_size") or 1)
+    tp = engine_tp(eng)
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],

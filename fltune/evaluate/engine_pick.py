@@ -440,7 +440,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
         raise DBError(f"calibration DB {db_path} does not exist")
     src, cfg = load_config(model)
     served = _served_config(model, cfg)
-    tp = int((engine or {}).get("tensor_parallel_size") or 1)
+    tp = e2e.engine_tp(engine)
     if tp < ch.min_tp:
         raise ValueError(f"{choice} acts only at tensor-parallel size >= {ch.min_tp} (this "
                          f"run: {tp}); measure it with --engine "
@@ -468,8 +468,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
     decision, value, reason, verdicts = judge(per_value)
     info = getattr(result, "arms_info", None) or {}
-    key = _reported_key_any(result) or model_key(
-        served, tp=int((engine or {}).get("tensor_parallel_size") or 1))
+    key = _reported_key_any(result) or model_key(served, tp=tp)
     scen = [_scenario_json(s) for s in scenarios]
     ev_values = {}
     for v in values:

@@ -261,8 +261,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     if scenarios is None:
         scenarios = e2e.default_scenarios(dev["device_type"])
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
-    key = model_key(_served_config(model, cfg),
-                    tp=int((engine or {}).get("tensor_parallel_size") or 1))
+    key = model_key(_served_config(model, cfg), tp=e2e.engine_tp(engine))
     result = None
     points: dict = {op: [] for op in to_measure}
     if to_measure:

@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...dispatch import frozen
-from ...dispatch.manifest import NATIVE_PREFIXES, Manifest, OpEntry, is_native
+from ...dispatch.manifest import NATIVE_PREFIXES, Manifest, OpEntry, is_native, tp_of_key
 from . import linear_seam, ops
 from .config import (ADDITIONAL_CONFIG_KEY, ENV_COUNTERS, ENV_COUNTERS_INTERVAL,  # noqa: F401
                      ENV_DB, ENV_MANIFEST, ENV_ROUTE, ENV_STRICT, OPS_PREFIX, ROUTE_CONFIG_KEY,
@@ -411,12 +411,6 @@ def adjudicate_hint(plan: Plan, model: Optional[str] = None) -> str:
     eng = (f" --engine '{{\"tensor_parallel_size\": {tp}}}'" if tp > 1 else "")
     return (f"fltune adjudicate --db {db or 'X.db'} --model {model or 'MODEL'}{eng} "
             f"(then freeze again)")
-
-
-def tp_of_key(key: Optional[str]) -> int:
-    """The tensor-parallel size a model key names (``…:tpN``; 1 without the suffix)."""
-    last = (key or "").rsplit(":", 1)[-1]
-    return int(last[2:]) if last.startswith("tp") and last[2:].isdigit() else 1
 
 
 def plan_table(plan: Plan, compiled: Optional[bool] = None) -> str:
