@@ -156,7 +156,9 @@ def main():
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--profile", default="Qwen3-0.6B")
     ap.add_argument("--arm", action="append", default=[], help="NAME=ROUTE (off, auto, all, ops:..)")
-    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default=None,
+                    help="comma list; default: the cpu_* smoke scenarios with --device cpu, "
+                         "the others on a GPU")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--mem-fraction", type=float, default=0.18)
@@ -174,7 +176,8 @@ def main():
     specs = [s.split("=", 1) for s in (a.arm or ["off=off", "aa=off", "auto=auto"])]
     if specs[0][1] != "off":
         sys.exit("the first arm is the baseline and must be vanilla (NAME=off)")
-    scen = a.scenarios.split(",")
+    scen = (a.scenarios.split(",") if a.scenarios else   # 2026-12-01: the cpu_* ones ran on the H200
+            [s for s in SCENARIOS if s.startswith("cpu_") == (a.device == "cpu")])
     arms, info = [], {}
     for name, route in specs:                 # one after another: each sizes its KV pool
         t0 = time.time()
