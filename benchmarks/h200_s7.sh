@@ -20,20 +20,22 @@
 #                lost 0.768x wall and the LM head cost ~100 µs per step, since removed from
 #                the seam): `fltune adjudicate --ops linear --per-range` (decode <= 512 vs
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
-#   PHASE=linbench  (not run yet) then the served DB against vanilla with the instrument
-#                (`fltune bench --e2e`, arms vanilla / aa / calibrated).
+#   PHASE=linbench  then the served DB against vanilla with the instrument
+#                (`fltune bench --e2e`, arms vanilla / aa / calibrated). Run in session 9.
+#   PHASE=pinaa  (not run yet) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
+#                shared for the side-by-side); PINNING also reaches sgab and linbench.
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
 export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
 mkdir -p /tmp/s7
-P=${PROFILE:-$(case "${PHASE:-}" in lin*) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
+P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 [ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
-W=/tmp/s7/${PHASE:-irchk}-$P; mkdir -p "$W"
-pack() { tar -czf "$OUT/${PHASE:-irchk}-${P}.tgz" -C "$(dirname "$W")" "$(basename "$W")"; }
+W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}; mkdir -p "$W"
+pack() { tar -czf "$OUT/$(basename "$W").tgz" -C "$(dirname "$W")" "$(basename "$W")"; }
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
     ( cd /tmp/sgstage \
@@ -88,7 +90,7 @@ sgab) {
   el "sglang A/B $P"
   FLTUNE_MANIFEST=$M FLTUNE_STRICT=1 timeout ${TIMEOUT:-540} python3 benchmarks/sglang_ab.py \
     --profile "$P" --reps ${REPS:-10} --warmup 2 --arm off=off --arm aa=off --arm auto=auto \
-    ${SGARMS:-} --out "$W"; echo rc=$?
+    --pinning ${PINNING:-shared} ${SGARMS:-} --out "$W"; echo rc=$?
   el done
 } 2>&1 | tee "$W/log"; cp "$W/sglang-ab.json" "$OUT/" 2>/dev/null; pack ;;
 sgc) {
@@ -110,6 +112,20 @@ if "off-compiled" in d and "on-compiled" in d:
 PY
   el done
 } 2>&1 | tee "$W/log"; pack ;;
+pinaa) {
+  # issue 11: does moving the measured arm onto the fastest few cores (and parking the rest)
+  # close the wall-time A/A? Same arms and scenarios as linbench's noise arms, PINNING=measure
+  # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice
+  el "vanilla A/A, pinning ${PINNING:-measure}"
+  timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
+    --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} \
+    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
 linrange) {
   DB=/tmp/s7/lin.db
   [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s6/linear-calibrate/h200.db $DB
@@ -128,7 +144,8 @@ linbench) {
   el "served DB against vanilla"
   timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB --reps ${REPS:-8} \
-    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done

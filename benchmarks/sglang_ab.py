@@ -21,6 +21,10 @@ prefill is a prefill). Each worker also returns the greedy tokens of one fixed p
 (compared with ``off``) and its model process's counters (which implementation served
 which op, by band).
 
+Host placement as the vLLM instrument's (``--pinning``, fltune/evaluate/pinning.py): every
+arm's process tree on one core set (``shared``), or the measured arm moved onto the fastest
+few cores for each call and the rest parked (``measure``); recorded in the JSON's ``host``.
+
 What it does not have, unlike the vLLM instrument: the GPU kernel time per step (SGLang's
 model runs in its scheduler process, out of a profiler in the worker). The timed unit is a
 whole ``generate`` call (a decode scenario's time includes its one short prefill).
@@ -120,7 +124,7 @@ def worker(a) -> None:
 # ---- driver -----------------------------------------------------------------------------
 
 class Arm:
-    def __init__(self, name, route, a):
+    def __init__(self, name, route, a, cores=None):
         self.name, self.route = name, route
         env = {k: v for k, v in os.environ.items()
                if not (route == "off" and k.startswith("FLTUNE_"))}
@@ -136,7 +140,9 @@ class Arm:
             cmd.append("--torch-compile")
         self.log = open(os.path.join(a.workdir, f"worker-{name}.log"), "w")
         self.p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=self.log, text=True, bufsize=1)
+                                  stderr=self.log, text=True, bufsize=1,
+                                  preexec_fn=(lambda: os.sched_setaffinity(0, cores))
+                                  if cores else None)
 
     def reply(self):
         line = self.p.stdout.readline()
@@ -165,11 +171,15 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--torch-compile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--pinning", default="shared", choices=["shared", "measure", "off"],
+                    help="where the arms' host work runs, as `fltune bench --e2e --pinning` "
+                         "(fltune/evaluate/pinning.py; not on --device cpu)")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
     if a.worker:
         return worker(a)
     from fltune.evaluate.e2e import bootstrap_ci
+    from fltune.evaluate.pinning import plan_pinning
 
     os.makedirs(a.out, exist_ok=True)
     a.workdir = os.path.abspath(a.out)
@@ -179,9 +189,12 @@ def main():
     scen = (a.scenarios.split(",") if a.scenarios else   # 2026-12-01: the cpu_* ones ran on the H200
             [s for s in SCENARIOS if s.startswith("cpu_") == (a.device == "cpu")])
     arms, info = [], {}
+    # SGLang's idle schedulers busy-poll; with "measure" they spin on the park set while the
+    # measured arm (launcher, scheduler, detokenizer) has the measurement cores
+    pin = plan_pinning(a.pinning) if a.device != "cpu" else None
     for name, route in specs:                 # one after another: each sizes its KV pool
         t0 = time.time()
-        arm = Arm(name, route, a)
+        arm = Arm(name, route, a, set(pin.start) if pin else None)
         try:
             r = arm.reply()
             arms.append(arm)
@@ -198,7 +211,13 @@ def main():
         for sc in scen:
             k = r % len(arms)
             for arm in arms[k:] + arms[:k]:
-                s = arm.call(cmd="run", scenario=sc, salt=r)["s"]
+                if pin:
+                    pin.to_measure(arm.p.pid)
+                try:
+                    s = arm.call(cmd="run", scenario=sc, salt=r)["s"]
+                finally:
+                    if pin:
+                        pin.to_park(arm.p.pid)
                 if r >= a.warmup:
                     samples.append({"rep": r - a.warmup, "scenario": sc, "arm": arm.name, "s": s})
         print(f"rep {r + 1}/{a.warmup + a.reps}", flush=True)
@@ -226,6 +245,7 @@ def main():
            "torch_compile": a.torch_compile, "attention_backend": a.attention_backend,
            "scenarios": {s: dict(zip(("batch", "prompt", "output"), SCENARIOS[s])) for s in scen},
            "reps": a.reps, "warmup": a.warmup, "arms": info, "points": points,
+           "host": {"pinning": pin.describe() if pin else {"mode": "off"}},
            "samples": samples}
     with open(os.path.join(a.out, "sglang-ab.json"), "w") as f:
         json.dump(doc, f, indent=1)

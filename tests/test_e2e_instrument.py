@@ -311,15 +311,6 @@ def test_cli_refuses_a_bad_arm_spec():
     assert r.returncode == 2 and "x=nonsense" in r.stderr
 
 
-def test_core_sets_are_one_shared_set_without_the_first_core():
-    from fltune.evaluate.e2e import core_sets
-
-    sets = core_sets(4, range(16))
-    assert len(sets) == 4 and all(x == set(range(1, 16)) for x in sets)
-    assert core_sets(3, [0, 2, 4, 6]) == [{2, 4, 6}] * 3
-    assert core_sets(2, range(2)) == []                 # one core would be left
-    assert core_sets(1, range(1)) == []
-
 @engine_test
 def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
     """``engine_process="multiprocess"``: vLLM's default for its users (engine core in its

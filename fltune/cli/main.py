@@ -331,7 +331,8 @@ def cmd_bench(a) -> int:
         except argparse.ArgumentTypeError as e:
             raise UsageError(f"argument --out: {e}") from None
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
-                     ("--engine", a.engine), ("--engine-process", a.engine_process)):
+                     ("--engine", a.engine), ("--engine-process", a.engine_process),
+                     ("--pinning", a.pinning)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -450,7 +451,8 @@ def cmd_bench_e2e(a) -> int:
         return e2e.run_e2e(a.model, arms, scenarios, reps=reps, warmup=warmup,
                            baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
                            out_dir=a.out, progress=progress, device_type=dev,
-                           engine_process=a.engine_process or "in-process")
+                           engine_process=a.engine_process or "in-process",
+                           pinning=a.pinning)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -983,6 +985,11 @@ def _add_bench(sub) -> None:
     e.add_argument("--engine-process", choices=["in-process", "multiprocess"],
                    help="each arm's vLLM engine core in the arm's process (default; the kernel "
                         "profile needs it) or in its own process, as vLLM runs for its users")
+    e.add_argument("--pinning", choices=["shared", "measure", "off"],
+                   help="CUDA: where the arms' host work runs — one core set for all "
+                        "(shared, the default; FLTUNE_E2E_PINNING), the measured arm moved "
+                        "onto the fastest few cores for each call and the others parked "
+                        "(measure), or not pinned (off)")
     c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
                                             "e2e-raw.json and the worker logs)")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)

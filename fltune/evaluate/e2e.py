@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_model_dir
+from .pinning import MODES as PINNING_MODES, plan_pinning
 
 
 @dataclass(frozen=True)
@@ -177,26 +178,6 @@ def merge_engine(base: dict, over: dict | None) -> dict:
     return out
 
 
-def core_sets(n_arms: int, cpus=None) -> list:
-    """One core set per arm, **the same set for every arm** (all of this process's CPUs but
-    the first, which takes the interrupts and this parent process), or ``[]`` when fewer
-    than two cores would be left.
-
-    Why one set, not one set per arm (the first version): the arms run one at a time, so
-    they never compete for cores; but on the H200 machine (a KVM guest) different vCPUs ran
-    at different speeds, and with disjoint sets an arm inherited its cores' speed for the
-    whole run: the 2026-11-30 A/A (``benchmarks/results/h200-2026-11-30-s5``) read the
-    second vanilla arm (on CPU 4) 2-5 % apart from the first (CPU 1) on the fast quantile
-    of its steps, with CIs clear of 1. On one shared set both arms draw from the same
-    vCPUs. Pinning at all still keeps the engines' thread pools (sized to the set) off the
-    parent's core."""
-    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
-    shared = set(cpus[1:])
-    if len(shared) < 2 or n_arms < 1:
-        return []
-    return [shared for _ in range(n_arms)]
-
-
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
     """The worker's environment: ``base`` without any FLTUNE_* variable, then ``extra``
     (engine-wide settings), then the arm's overlay."""
@@ -297,6 +278,8 @@ class E2EResult:
     device_type: str = "cpu"
     model: str = ""
     kernels: dict = field(default_factory=dict)
+    #: where the arms' host work ran (:mod:`fltune.evaluate.pinning`)
+    host: dict = field(default_factory=dict)
 
     @property
     def vllm_version(self):
@@ -334,7 +317,8 @@ class E2EResult:
                            "warmup": self.warmup, "inner": self.inner,
                            "ratio": "baseline time / arm time per repetition (throughput "
                                     "ratio); median and 95% paired bootstrap CI over reps",
-                           "scenarios": self.scenarios},
+                           "scenarios": self.scenarios,
+                           "pinning": (self.host.get("pinning") or {}).get("mode")},
                 "arms": arms,
                 "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points]}
 
@@ -343,7 +327,7 @@ class E2EResult:
                 "engine_notes": self.engine_notes, "scenarios": self.scenarios,
                 "baseline": self.baseline, "reps": self.reps, "warmup": self.warmup,
                 "inner": self.inner, "points": self.points, "samples": self.samples,
-                "arms": self.arms_info, "kernels": self.kernels}
+                "arms": self.arms_info, "kernels": self.kernels, "host": self.host}
 
 
 def _routed_calls(counters) -> dict | None:
@@ -418,13 +402,16 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             kernel_profile: bool | None = None, out_dir: str | None = None,
             progress=None, inner: int | None = None, device_type: str | None = None,
             start_timeout: float = 900.0, call_timeout: float = 600.0,
-            pin_cores: bool = True, kernel_reps: int = 3,
+            pinning: str | None = None, kernel_reps: int = 3,
             engine_process: str = "in-process") -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
     "done". ``kernel_reps``: profiled rounds per (arm, scenario) when ``kernel_profile``.
-    ``pin_cores`` (CUDA): every arm on one shared core set (:func:`core_sets`).
+    ``pinning`` (CUDA; :mod:`fltune.evaluate.pinning`): "shared" (every arm on one core
+    set), "measure" (the measured arm moved onto one small set for each call, the others
+    parked) or "off"; default ``FLTUNE_E2E_PINNING`` or "shared" (the variable reaches
+    ``fltune adjudicate`` and the engine picks too); recorded in the result's ``host``.
     ``engine_process``: "in-process" (engine core and model in the worker; the kernel
     profile sees the kernels) or "multiprocess" (vLLM's default for its users: the engine
     core busy-loops in a child process; :data:`ENGINE_PROCESSES`).
@@ -438,6 +425,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         raise ValueError(f"the baseline arm {baseline!r} is not among the arms {names}")
     if reps < 1:
         raise ValueError("reps must be >= 1")
+    pinning = pinning or os.environ.get("FLTUNE_E2E_PINNING") or "shared"
+    if pinning not in PINNING_MODES:
+        raise ValueError(f"pinning must be one of {PINNING_MODES}, got {pinning!r}")
     if device_type is None:
         import torch
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -489,14 +479,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
              total=(warmup + reps) * len(scenarios))
     # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
     # 2-core machine cannot be given two each anyway
-    pins = core_sets(len(arms)) if (device_type == "cuda" and pin_cores) else []
+    pin = plan_pinning(pinning) if device_type == "cuda" else None
+    host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
+                                                   else "off (CPU device)"}}
     try:
         # ---- start, one after another -----------------------------------------------
-        for i, arm in enumerate(arms):
+        for arm in arms:
             add = dict(extra)
-            cores = pins[i] if pins else None
+            cores = set(pin.start) if pin else None
             if cores:
-                add.setdefault("OMP_NUM_THREADS", str(len(cores)))
+                add.setdefault("OMP_NUM_THREADS",
+                               str(len(pin.measure) if pin.mode == "measure" else len(cores)))
             if arm.env and "FLTUNE_COUNTERS_FILE" not in arm.env:
                 # tensor parallelism: each rank is its own process with its own counters
                 add["FLTUNE_COUNTERS_FILE"] = os.path.join(
@@ -540,6 +533,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 p.p.kill()
             p.log.close()
 
+        def measured_call(name, **msg):
+            """One timed or profiled call, the arm on the measurement cores meanwhile."""
+            pid = procs[name].p.pid
+            if pin:
+                pin.to_measure(pid)
+            try:
+                return procs[name].call(call_timeout, **msg)
+            finally:
+                if pin:
+                    pin.to_park(pid)
+
         # ---- greedy tokens on one fixed prompt set ------------------------------------
         for name in list(procs):
             try:
@@ -567,8 +571,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     if name not in procs:
                         continue
                     try:
-                        res = procs[name].call(call_timeout, cmd="time", scenario=asdict(sc),
-                                               inner=inner)
+                        res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner)
                     except WorkerError as e:
                         fail(name, e)
                         continue
@@ -595,8 +598,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     order = live[r % len(live):] + live[:r % len(live)] if live else []
                     for name in order:
                         try:
-                            res = procs[name].call(call_timeout, cmd="profile",
-                                                   scenario=asdict(sc))
+                            res = measured_call(name, cmd="profile", scenario=asdict(sc))
                             res.pop("ok", None)
                         except WorkerError as e:
                             res = {"error": str(e)}
@@ -626,7 +628,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
                        engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
                        baseline=baseline, reps=reps, warmup=warmup, inner=inner,
-                       device_type=device_type, model=model, kernels=kernels)
+                       device_type=device_type, model=model, kernels=kernels, host=host)
     if out_dir:
         with open(os.path.join(work, "e2e-raw.json"), "w") as f:
             json.dump(result.raw(), f, indent=1, default=str)
