@@ -32,7 +32,7 @@ def test_measure_takes_the_fastest_cores_and_parks_the_rest():
     assert p.mode == "measure"
     assert p.measure == {7, 3, 12, 9} == set(list(p.measure))   # measure_set_size(15) == 4
     assert p.park == set(range(1, 16)) - {7, 3, 12, 9}
-    assert p.start == p.park and 0 not in p.measure | p.park
+    assert p.start == p.park and 0 not in p.measure | p.park and p.parent == {0}
     assert p.describe()["core_speeds"]["7"] == 130.0
     assert plan_pinning("measure", [0, 1, 2], speeds={1: 1.0, 2: 2.0}).measure == {2}
     with pytest.raises(ValueError, match="none to park"):

@@ -482,6 +482,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     pin = plan_pinning(pinning) if device_type == "cuda" else None
     host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
                                                    else "off (CPU device)"}}
+    parent_cpus = os.sched_getaffinity(0)
+    if pin and pin.parent:
+        os.sched_setaffinity(0, pin.parent)
     try:
         # ---- start, one after another -----------------------------------------------
         for arm in arms:
@@ -619,6 +622,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     finally:
         for p in procs.values():
             p.stop()
+        os.sched_setaffinity(0, parent_cpus)
     for name, info in arms_info.items():
         info["counters"], by_proc = read_counters(info.get("counters_file"))
         if by_proc is not None:

@@ -112,6 +112,9 @@ class Pinning:
     measure: frozenset = frozenset()
     park: frozenset = frozenset()
     speeds: dict = field(default_factory=dict)
+    #: the instrument's own thread (its reader threads start from it) for the run, in
+    #: ``measure`` mode, so that even the parent stays off the measurement set
+    parent: frozenset = frozenset()
 
     def to_measure(self, pid: int) -> None:
         if self.mode == "measure":
@@ -124,6 +127,7 @@ class Pinning:
     def describe(self) -> dict:
         return {"mode": self.mode, "start": sorted(self.start),
                 "measure": sorted(self.measure), "park": sorted(self.park),
+                "parent": sorted(self.parent),
                 "core_speeds": {str(k): v for k, v in sorted(self.speeds.items())}}
 
 
@@ -156,4 +160,4 @@ def plan_pinning(mode: str, cpus=None, *, measure_n: int | None = None,
     fastest = sorted(usable, key=lambda c: (-speeds.get(c, 0.0), c))[:k]
     measure = frozenset(fastest)
     park = frozenset(usable) - measure
-    return Pinning("measure", park, measure, park, dict(speeds))
+    return Pinning("measure", park, measure, park, dict(speeds), frozenset(cpus[:1]))
