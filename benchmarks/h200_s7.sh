@@ -22,6 +22,9 @@
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
 #   PHASE=linbench  then the served DB against vanilla with the instrument
 #                (`fltune bench --e2e`, arms vanilla / aa / calibrated). Run in session 9.
+#   PHASE=fijit  (not run yet) FlashInfer's JIT (GDN prefill) built once and checked, the
+#                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
+#                it: this script unpacks them into FlashInfer's AOT directory first).
 #   PHASE=pinaa  (not run yet) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench.
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
@@ -29,6 +32,15 @@ export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
 export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
 mkdir -p /tmp/s7
+# FlashInfer kernels built on an earlier machine (PHASE=fijit brought them back; kept here in
+# the ignored folder .fiaot/ and carried): unpacked into FlashInfer's AOT directory, where
+# JitSpec.build_and_load loads a module's .so without building (is_aot), so vLLM's default
+# GDN prefill (FlashInfer on SM90) starts in seconds instead of minutes of JIT
+if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; then
+  AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
+  [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
+    && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
+fi
 P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
@@ -124,6 +136,21 @@ pinaa) {
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+fijit) {
+  # issue 11.5 / 12.2: build FlashInfer's kernels once (the GDN prefill JIT takes minutes; the
+  # image has no prebuilt cubins and flashinfer.ai's jit-cache wheels are out of reach), check
+  # the GDN and FlashInfer candidates, and bring the built modules back for .fiaot/
+  el "FlashInfer JIT + GDN/FlashInfer candidates (benchmarks/gdn_flashinfer_check.py)"
+  timeout ${TIMEOUT:-500} python3 benchmarks/gdn_flashinfer_check.py --out "$W/check.json"; echo "check rc=$?"
+  J=$(ls -d /tmp/s7/fiws/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
+  echo "JIT dir: $J"; ls -la "$J" 2>/dev/null | head -30
+  if [ -n "$J" ]; then
+    ( cd "$J" && ls */*.so ) > "$W/modules.txt" 2>/dev/null
+    ( cd "$J" && tar -czf /tmp/s7/fiaot.tgz $(ls */*.so) ) && ls -la /tmp/s7/fiaot.tgz \
+      && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
+  fi
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linrange) {
