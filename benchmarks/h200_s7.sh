@@ -47,7 +47,9 @@ t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 [ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
 W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}; mkdir -p "$W"
-pack() { tar -czf "$OUT/$(basename "$W").tgz" -C "$(dirname "$W")" "$(basename "$W")"; }
+# (the cache sizes say whether carrying warm caches to a later machine would pay)
+pack() { tar -czf "$OUT/$(basename "$W").tgz" -C "$(dirname "$W")" "$(basename "$W")"
+         du -sh /tmp/s7/inductor /tmp/s7/triton /tmp/s7/vllm /tmp/s7/fiws 2>/dev/null | tr '\n' ' '; echo; }
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
     ( cd /tmp/sgstage \
