@@ -26,7 +26,8 @@
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
 #   PHASE=pinaa  (not run yet) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
-#                shared for the side-by-side); PINNING also reaches sgab and linbench.
+#                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
+#                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
@@ -136,6 +137,7 @@ pinaa) {
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
     --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
+  python3 benchmarks/probe_check.py "$W/e2e-raw.json" | tee "$W/probe-check.txt"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done

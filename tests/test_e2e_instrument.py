@@ -257,6 +257,9 @@ def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(r
     res = run["res"]
     for smp in res.samples:
         assert len(smp["runs"]) == 1 and len(smp["run_s"]) == 1          # inner=1
+        # the host speedometer around the run: two positive loop times
+        (probe,) = [h["probe_us"] for h in smp["host"]]
+        assert len(probe) == 2 and all(x > 0 for x in probe)
         steps = smp["runs"][0]
         if smp["scenario"] == "decode_b2":
             # 5 tokens: a prefill step and 4 decode steps, at least (async scheduling adds)
@@ -428,3 +431,36 @@ def test_each_tensor_parallel_rank_profiles_itself_through_collective_rpc(tmp_pa
     assert sorted(g["rank"] for g in doc["got"]) == [0, 1]
     for g in doc["got"]:
         assert g["events"] > 0 and g["kernels"] == 0, g
+
+
+def test_probe_check_drops_the_repetitions_a_slow_probe_marks(tmp_path, capsys):
+    """benchmarks/probe_check.py on recorded samples where the host's slow periods hit the
+    A/A arm's runs and show in their probes: the correlation is read, and the pairs left
+    once those repetitions go are the fast ones (A/A median back to 1)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "probe_check", Path(__file__).resolve().parents[1] / "benchmarks" / "probe_check.py")
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    samples = []
+    for rep in range(12):
+        slow = rep % 3 == 0                      # a slow period during aa's run
+        for arm in ("vanilla", "aa"):
+            hit = slow and arm == "aa"
+            samples.append({"rep": rep, "scenario": "prefill_32", "arm": arm, "position": 0,
+                            "runs": [[0.030 * (1.6 if hit else 1.0) + 0.0001 * (rep % 2)]],
+                            "run_s": [0.03],
+                            "host": [{"probe_us": [500.0, 800.0 if hit else 505.0]}]})
+    raw = {"baseline": "vanilla", "samples": samples,
+           "scenarios": [{"name": "prefill_32", "kind": "prefill", "batch": 1,
+                          "prompt_len": 32, "output_len": 1}]}
+    p = tmp_path / "e2e-raw.json"
+    p.write_text(json.dumps(raw))
+    assert pc.main([str(p)]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["scenarios"]["prefill_32"]
+    assert row["reps_dropped"] == 4 and row["spearman"] > 0.5
+    aa = row["arms"]["aa"]
+    assert aa["all"]["n"] == 12 and aa["all"]["ci"][0] < 0.7        # the slow reps widen it
+    assert aa["probe_ok"]["n"] == 8 and aa["probe_ok"]["ci"] == [1.0, 1.0]
+    assert pc.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert pc.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)

@@ -151,9 +151,11 @@ class Worker:
         try:
             for _ in range(max(1, inner)):
                 self._steps = []
+                p0 = host_probe_us()
                 h0 = host_state()
                 run_s.append(self.gen(prompts, n)[0])
                 host.append(host_delta(h0, host_state()))
+                host[-1]["probe_us"] = [p0, host_probe_us()]
                 runs.append(self._steps)
                 self._steps = None
         finally:
@@ -314,6 +316,27 @@ def host_state() -> dict:
         st["mhz"] = int(khz) / 1000 if khz.isdigit() else None
     st["t"] = time.monotonic()
     return st
+
+
+#: iterations of :func:`host_probe_us`'s loop: ~0.3-1 ms of Python on these hosts
+PROBE_LOOPS = 20000
+
+
+def host_probe_us(loops: int = PROBE_LOOPS) -> float:
+    """How long a fixed pure-Python loop takes on this thread now, in µs: a speedometer
+    for the host work that sets a decode step. Taken right before and after each timed run
+    (``probe_us`` in the run's host record). Why: on the H200 machine runs of one arm, even
+    two arms on the same vCPU a second apart, came out at levels up to 1.6x apart
+    (``h200-2026-12-01-s9/linbench``: prefill 2048 at 35-38 or 54-61 ms, both arms on CPU
+    1), with no steal time and no context switch to show it. If the probe slows with the
+    run, samples taken in a slow period can be told apart (and left out or re-taken);
+    if it does not, the slowdown is not the CPU's speed at plain Python work (caches,
+    memory, the GPU's host interface) — either answer narrows the cause."""
+    t0 = time.perf_counter()
+    x = 0
+    for i in range(loops):
+        x += i & 7
+    return round((time.perf_counter() - t0) * 1e6, 1)
 
 
 def host_delta(a: dict, b: dict) -> dict:

@@ -1,0 +1,99 @@
+"""Does the host speedometer see the slow periods? (issue 11: the wall A/A.)
+
+    python benchmarks/probe_check.py DIR/e2e-raw.json [--slow 1.15]
+
+Reads an ``fltune bench --e2e`` raw file whose samples carry ``probe_us`` (a fixed Python
+loop timed right before and after each run: ``e2e_worker.host_probe_us``) and prints:
+
+1. per scenario, the rank correlation between a run's slowness (its time over its arm's
+   median for that scenario) and its probe's slowness (the slower of its two probes over
+   the fastest probe of that worker) — near 0: the probe does not see what slows the runs;
+2. the A/A and every other arm's ratio to the baseline as the instrument computes it, then
+   with every repetition dropped in which any arm's probe read more than ``--slow`` times
+   its worker's fastest (all arms of the repetition go, so the pairing holds).
+
+If (1) is high and (2) narrows the A/A, the instrument can re-take samples taken while the
+host ran slow; if not, the slow level is not the CPU's speed at plain Python work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from fltune.evaluate.e2e import Scenario, bootstrap_ci, step_estimate
+
+
+def ranks(xs):
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    for k, i in enumerate(order):
+        r[i] = float(k)
+    return r
+
+
+def spearman(a, b):
+    if len(a) < 3:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return cov / (va * vb) if va and vb else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("raw")
+    ap.add_argument("--slow", type=float, default=1.15,
+                    help="a probe this many times its worker's fastest marks a slow period")
+    a = ap.parse_args(argv)
+    raw = json.load(open(a.raw))
+    base = raw["baseline"]
+    scen = {s["name"]: Scenario(**s) for s in raw["scenarios"]}
+    samples = [s for s in raw["samples"] if all("probe_us" in h for h in s.get("host", []))]
+    if not samples:
+        sys.exit("no sample carries probe_us (a raw file from before the probe)")
+    fastest = {}
+    for s in samples:
+        for h in s["host"]:
+            fastest[s["arm"]] = min(fastest.get(s["arm"], 1e18), *h["probe_us"])
+    out = {"slow": a.slow, "scenarios": {}}
+    for name, sc in scen.items():
+        mine = [s for s in samples if s["scenario"] == name]
+        t = {(s["arm"], s["rep"]): step_estimate(sc, s) for s in mine}
+        med = {arm: statistics.median(v for (x, _), v in t.items() if x == arm)
+               for arm in {s["arm"] for s in mine}}
+        slowness = [t[(s["arm"], s["rep"])] / med[s["arm"]] for s in mine]
+        probe = [max(max(h["probe_us"]) for h in s["host"]) / fastest[s["arm"]] for s in mine]
+        bad_reps = {s["rep"] for s, p in zip(mine, probe) if p > a.slow}
+        reps = sorted({s["rep"] for s in mine})
+        row = {"spearman": spearman(slowness, probe), "reps": len(reps),
+               "reps_dropped": len(bad_reps), "arms": {}}
+        for arm in med:
+            if arm == base:
+                continue
+            for label, keep in (("all", reps), ("probe_ok", [r for r in reps if r not in bad_reps])):
+                ratios = [t[(base, r)] / t[(arm, r)] for r in keep
+                          if (base, r) in t and (arm, r) in t]
+                m, lo, hi = bootstrap_ci(ratios) if ratios else (None, None, None)
+                row["arms"].setdefault(arm, {})[label] = {"n": len(ratios), "median": m,
+                                                          "ci": [lo, hi]}
+        out["scenarios"][name] = row
+        rho = row["spearman"]
+        print(f"{name}: run slowness vs probe slowness, Spearman "
+              f"{'n/a' if rho is None else f'{rho:+.2f}'}; reps with a slow probe "
+              f"{len(bad_reps)}/{len(reps)}")
+        for arm, v in row["arms"].items():
+            def fmt(x):
+                return ("n/a" if x["median"] is None else
+                        f"{x['median']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}] n={x['n']}")
+            print(f"  {arm:12} all {fmt(v['all'])}   probe-ok {fmt(v['probe_ok'])}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
