@@ -82,6 +82,8 @@ def _affinities(pid):
 def test_pin_tree_moves_every_thread_of_every_descendant(tree):
     p, grandchild = tree
     assert grandchild in process_tree(p.pid)
+    # the same tree from every process's parent (kernels without the children file)
+    assert sorted(process_tree(p.pid, scan=True)) == sorted(process_tree(p.pid, scan=False))
     for cpu in CPUS[:2]:
         n = pin_tree(p.pid, {cpu})
         aff = _affinities(p.pid)

@@ -35,12 +35,20 @@ from dataclasses import dataclass, field
 MODES = ("shared", "measure", "off")
 
 
-def process_tree(pid: int) -> list:
-    """``pid`` and every descendant alive now (``/proc/PID/task/TID/children``, Linux)."""
+def process_tree(pid: int, *, scan: bool | None = None) -> list:
+    """``pid`` and every descendant alive now. Read from ``/proc/PID/task/TID/children``
+    (Linux with CONFIG_PROC_CHILDREN); where the kernel has no such file, or with
+    ``scan=True``, from every process's parent in ``/proc/*/stat``."""
+    if scan is None:
+        scan = not os.path.exists(f"/proc/{pid}/task/{pid}/children")
+    kids = _children_by_scan() if scan else None
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
+        if kids is not None:
+            todo.extend(kids.get(p, ()))
+            continue
         try:
             tids = os.listdir(f"/proc/{p}/task")
         except OSError:
@@ -52,6 +60,21 @@ def process_tree(pid: int) -> list:
             except OSError:
                 pass
     return out
+
+
+def _children_by_scan() -> dict:
+    """parent pid -> child pids, from field 4 of every ``/proc/PID/stat``."""
+    kids: dict = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        kids.setdefault(ppid, []).append(int(name))
+    return kids
 
 
 def threads_of(pid: int) -> list:
