@@ -151,8 +151,8 @@ fijit) {
   J=$(ls -d /tmp/s7/fiws/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
   echo "JIT dir: $J"; ls -la "$J" 2>/dev/null | head -30
   if [ -n "$J" ]; then
-    ( cd "$J" && ls */*.so ) > "$W/modules.txt" 2>/dev/null
-    ( cd "$J" && tar -czf /tmp/s7/fiaot.tgz $(ls */*.so) ) && ls -la /tmp/s7/fiaot.tgz \
+    ( cd "$J" && ls */*.so > "$W/modules.txt" && tar -czf /tmp/s7/fiaot.tgz -T "$W/modules.txt" ) \
+      && ls -la /tmp/s7/fiaot.tgz \
       && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
   fi
   el done

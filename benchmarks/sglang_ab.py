@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from fltune.evaluate.pinning import MODES as PINNING_MODES
+
 SCENARIOS = {  # name: (batch, prompt tokens, output tokens)
     "decode_b1": (1, 16, 64),
     "decode_b16": (16, 16, 64),
@@ -171,7 +173,7 @@ def main():
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--torch-compile", action="store_true")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
-    ap.add_argument("--pinning", default="shared", choices=["shared", "measure", "off"],
+    ap.add_argument("--pinning", default="shared", choices=PINNING_MODES,
                     help="where the arms' host work runs, as `fltune bench --e2e --pinning` "
                          "(fltune/evaluate/pinning.py; not on --device cpu)")
     ap.add_argument("--out", default="out")
@@ -179,7 +181,7 @@ def main():
     if a.worker:
         return worker(a)
     from fltune.evaluate.e2e import bootstrap_ci
-    from fltune.evaluate.pinning import plan_pinning
+    from fltune.evaluate.pinning import measuring, plan_pinning
 
     os.makedirs(a.out, exist_ok=True)
     a.workdir = os.path.abspath(a.out)
@@ -211,13 +213,8 @@ def main():
         for sc in scen:
             k = r % len(arms)
             for arm in arms[k:] + arms[:k]:
-                if pin:
-                    pin.to_measure(arm.p.pid)
-                try:
+                with measuring(pin, arm.p.pid):
                     s = arm.call(cmd="run", scenario=sc, salt=r)["s"]
-                finally:
-                    if pin:
-                        pin.to_park(arm.p.pid)
                 if r >= a.warmup:
                     samples.append({"rep": r - a.warmup, "scenario": sc, "arm": arm.name, "s": s})
         print(f"rep {r + 1}/{a.warmup + a.reps}", flush=True)

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from fltune.evaluate import e2e
-from fltune.evaluate.pinning import (Pinning, core_speeds, measure_set_size, pin_tree,
-                                     plan_pinning, process_tree, threads_of)
+from fltune.evaluate.pinning import (Pinning, core_speeds, measure_set_size, measuring,
+                                     pin_tree, plan_pinning, process_tree, threads_of)
 
 CPUS = sorted(os.sched_getaffinity(0))
 
@@ -97,12 +97,15 @@ def test_a_measured_arm_goes_to_the_measurement_set_and_back(tree):
     if len(CPUS) < 2:
         pytest.skip("needs two cores")
     pin = Pinning("measure", frozenset(CPUS[1:2]), frozenset(CPUS[:1]), frozenset(CPUS[1:2]))
-    pin.to_measure(p.pid)
-    assert set(map(frozenset, _affinities(p.pid).values())) == {frozenset(CPUS[:1])}
-    pin.to_park(p.pid)
+    with measuring(pin, p.pid):
+        assert set(map(frozenset, _affinities(p.pid).values())) == {frozenset(CPUS[:1])}
     assert set(map(frozenset, _affinities(p.pid).values())) == {frozenset(CPUS[1:2])}
-    Pinning("shared", frozenset(CPUS)).to_measure(p.pid)          # shared never moves
+    with pytest.raises(RuntimeError), measuring(pin, p.pid):      # a failed call parks too
+        raise RuntimeError("the worker died")
     assert set(map(frozenset, _affinities(p.pid).values())) == {frozenset(CPUS[1:2])}
+    for other in (Pinning("shared", frozenset(CPUS)), None):        # they never move
+        with measuring(other, p.pid):
+            assert set(map(frozenset, _affinities(p.pid).values())) == {frozenset(CPUS[1:2])}
 
 
 def test_pin_tree_skips_a_process_that_is_gone():

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_model_dir
-from .pinning import MODES as PINNING_MODES, plan_pinning
+from .pinning import MODES as PINNING_MODES, measuring, plan_pinning
 
 
 @dataclass(frozen=True)
@@ -538,14 +538,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
         def measured_call(name, **msg):
             """One timed or profiled call, the arm on the measurement cores meanwhile."""
-            pid = procs[name].p.pid
-            if pin:
-                pin.to_measure(pid)
-            try:
+            with measuring(pin, procs[name].p.pid):
                 return procs[name].call(call_timeout, **msg)
-            finally:
-                if pin:
-                    pin.to_park(pid)
 
         # ---- greedy tokens on one fixed prompt set ------------------------------------
         for name in list(procs):

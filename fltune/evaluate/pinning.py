@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 MODES = ("shared", "measure", "off")
@@ -129,7 +130,7 @@ def core_speeds(cpus, *, seconds: float = 0.02, rounds: int = 3) -> dict:
 @dataclass
 class Pinning:
     """How the instrument places arms: ``start`` is every worker's affinity from its start;
-    with ``mode == "measure"``, :meth:`measuring` moves one arm to ``measure`` for a call."""
+    with ``mode == "measure"``, :func:`measuring` moves one arm to ``measure`` for a call."""
     mode: str
     start: frozenset
     measure: frozenset = frozenset()
@@ -138,14 +139,6 @@ class Pinning:
     #: the instrument's own thread (its reader threads start from it) for the run, in
     #: ``measure`` mode, so that even the parent stays off the measurement set
     parent: frozenset = frozenset()
-
-    def to_measure(self, pid: int) -> None:
-        if self.mode == "measure":
-            pin_tree(pid, self.measure)
-
-    def to_park(self, pid: int) -> None:
-        if self.mode == "measure":
-            pin_tree(pid, self.park)
 
     def describe(self) -> dict:
         return {"mode": self.mode, "start": sorted(self.start),
@@ -184,3 +177,18 @@ def plan_pinning(mode: str, cpus=None, *, measure_n: int | None = None,
     measure = frozenset(fastest)
     park = frozenset(usable) - measure
     return Pinning("measure", park, measure, park, dict(speeds), frozenset(cpus[:1]))
+
+
+@contextmanager
+def measuring(pin: Pinning | None, pid: int):
+    """Around one timed or profiled call of the arm whose worker is ``pid``: in ``measure``
+    mode its process tree is on the measurement set for the call and back on the park set
+    after it (also when the call fails); with any other placement, or none, nothing moves."""
+    moves = pin is not None and pin.mode == "measure"
+    if moves:
+        pin_tree(pid, pin.measure)
+    try:
+        yield
+    finally:
+        if moves:
+            pin_tree(pid, pin.park)
