@@ -25,6 +25,9 @@
 #   PHASE=fijit  (not run yet) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
+#   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
+#                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
+#                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=pinaa  (not run yet) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -42,7 +45,7 @@ if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; t
   [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
     && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
 fi
-P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
+P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
@@ -135,7 +138,7 @@ pinaa) {
   timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
     --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
-    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${ENGINE:+--engine "$ENGINE"} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
   python3 benchmarks/probe_check.py "$W/e2e-raw.json" | tee "$W/probe-check.txt"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
@@ -155,6 +158,35 @@ fijit) {
       && ls -la /tmp/s7/fiaot.tgz \
       && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
   fi
+  # issue 12.2: the GDN race with FlashInfer's prefill kernel now compiled, into PHASE=linrange's
+  # DB (session 9's lin.db: linear + the shipped ops), with what is left of the call's time
+  DB=/tmp/s7/lin.db
+  [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s9/linrange/lin.db $DB
+  left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
+  el "calibrate the GDN ops ($left s left)"
+  [ $left -gt 60 ] && timeout $left python3 -m fltune calibrate --model Qwen3.5-0.8B --db $DB \
+    --ops gdn_chunk_prefill,gdn_decode --max-tokens ${MAXTOK:-8192} --quiet --json > "$W/gdn-calibrate.json"
+  echo "calibrate rc=$?"
+  python3 -m fltune report --db $DB --wide 2>&1 | grep -i -A3 "gdn" | head -60
+  cp $DB "$W/"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+gdnpick) {
+  # issues 11.5 and 12.2/3: vLLM's GDN prefill kernel as an engine-wide pick measured by model
+  # step (triton = FLA, flashinfer = vLLM's default on SM90) against vanilla (`auto`, its true
+  # default, now that FlashInfer's JIT is built: PHASE=fijit first, or a carried .fiaot/)
+  DB=/tmp/s7/lin.db
+  [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s9/linrange/lin.db $DB
+  el "engine pick ${CHOICE:-gdn_prefill_backend=triton,flashinfer}, pinning ${PINNING:-measure}"
+  FLTUNE_E2E_PINNING=${PINNING:-measure} timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
+    --model "$P" --db $DB --engine-choice "${CHOICE:-gdn_prefill_backend=triton,flashinfer}" \
+    --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,prefill_2048,prefill_8192}" \
+    --out "$W/adj" --json > "$W/pick.json"; echo "adjudicate rc=$?"
+  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/engine-wide/,$p' | head -30
+  [ -f "$W/adj/e2e-raw.json" ] && python3 benchmarks/probe_check.py "$W/adj/e2e-raw.json" | tee "$W/probe-check.txt"
+  cp $DB "$W/"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W"/*/model
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linrange) {
