@@ -25,6 +25,8 @@
 #   PHASE=fijit  (not run yet) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
+#   PHASE=fibuild  FlashInfer's GDN prefill module alone (MAX_JOBS=16), packed like fijit's:
+#                run it first on a fresh machine, before anything uses vLLM's default GDN.
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
@@ -45,7 +47,7 @@ if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; t
   [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
     && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
 fi
-P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
+P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*|fibuild) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
@@ -54,6 +56,17 @@ W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}; mkdir -p "$W"
 # (the cache sizes say whether carrying warm caches to a later machine would pay)
 pack() { tar -czf "$OUT/$(basename "$W").tgz" -C "$(dirname "$W")" "$(basename "$W")"
          du -sh /tmp/s7/inductor /tmp/s7/triton /tmp/s7/vllm /tmp/s7/fiws 2>/dev/null | tr '\n' ' '; echo; }
+# FlashInfer's built modules (every cached_ops/*/*.so) split into $OUT/fiaot.tgz.part*
+# (<= 15 MiB each) for .fiaot/, which the restore above unpacks on a later machine
+pack_fi() {
+  J=$(ls -d /tmp/s7/fiws/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
+  echo "JIT dir: $J"; ls -la "$J" 2>/dev/null | head -30
+  if [ -n "$J" ]; then
+    ( cd "$J" && ls */*.so > "$W/modules.txt" && tar -czf /tmp/s7/fiaot.tgz -T "$W/modules.txt" ) \
+      && ls -la /tmp/s7/fiaot.tgz && cat "$W/modules.txt" \
+      && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
+  fi
+}
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
     ( cd /tmp/sgstage \
@@ -151,13 +164,7 @@ fijit) {
   # the GDN and FlashInfer candidates, and bring the built modules back for .fiaot/
   el "FlashInfer JIT + GDN/FlashInfer candidates (benchmarks/gdn_flashinfer_check.py)"
   timeout ${TIMEOUT:-500} python3 benchmarks/gdn_flashinfer_check.py --out "$W/check.json"; echo "check rc=$?"
-  J=$(ls -d /tmp/s7/fiws/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
-  echo "JIT dir: $J"; ls -la "$J" 2>/dev/null | head -30
-  if [ -n "$J" ]; then
-    ( cd "$J" && ls */*.so > "$W/modules.txt" && tar -czf /tmp/s7/fiaot.tgz -T "$W/modules.txt" ) \
-      && ls -la /tmp/s7/fiaot.tgz \
-      && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
-  fi
+  pack_fi
   # issue 12.2: the GDN race with FlashInfer's prefill kernel now compiled, into PHASE=linrange's
   # DB (session 9's lin.db: linear + the shipped ops), with what is left of the call's time
   DB=/tmp/s7/lin.db
@@ -169,6 +176,22 @@ fijit) {
   echo "calibrate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | grep -i -A3 "gdn" | head -60
   cp $DB "$W/"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+fibuild) {
+  # FlashInfer's SM90 GDN prefill module alone (64 CUTLASS instantiations: over 5 minutes
+  # on this machine's 16 cores in session 10, where it was built in pieces by three calls
+  # that each timed out), nothing else running, ninja with MAX_JOBS; a call cut by its limit
+  # leaves the objects built so far, and the next call goes on from there
+  el "FlashInfer GDN prefill JIT, MAX_JOBS=${MAX_JOBS:-16}"
+  MAX_JOBS=${MAX_JOBS:-16} timeout ${TIMEOUT:-540} python3 -c "
+import time
+t = time.time()
+from flashinfer.jit.gdn import gen_gdn_prefill_sm90_module
+gen_gdn_prefill_sm90_module().build_and_load()
+print('gdn_prefill_sm90 built and loaded in', round(time.time() - t, 1), 's')"; echo "build rc=$?"
+  ls /tmp/s7/fiws/.cache/flashinfer/*/*/cached_ops/gdn_prefill_sm90/ 2>/dev/null | grep -c "\.o$" | sed 's/^/objects built: /'
+  pack_fi
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 gdnpick) {

@@ -12,8 +12,15 @@ loop timed right before and after each run: ``e2e_worker.host_probe_us``) and pr
    with every repetition dropped in which any arm's probe read more than ``--slow`` times
    its worker's fastest (all arms of the repetition go, so the pairing holds).
 
-If (1) is high and (2) narrows the A/A, the instrument can re-take samples taken while the
-host ran slow; if not, the slow level is not the CPU's speed at plain Python work.
+3. with ``--gate F`` (default 1.4), the ratios again from only the *runs* whose two probes
+   read within F times their worker's fastest (each sample's estimate from its kept runs;
+   a sample with none is left out, and its repetition's pair with it): what the
+   instrument's probe gate (``fltune bench --e2e --probe-gate``, ``e2e_worker.gated_runs``)
+   would have kept, short of the retakes it adds.
+
+If (1) is high and (2)/(3) narrow the A/A, the instrument can re-take samples taken while
+the host ran slow; if not, the slow level is not the CPU's speed at plain Python work.
+Reads partial raw files (``e2e-raw.partial.json``, a run cut by its time limit) too.
 """
 from __future__ import annotations
 
@@ -49,6 +56,8 @@ def main(argv=None):
     ap.add_argument("raw")
     ap.add_argument("--slow", type=float, default=1.15,
                     help="a probe this many times its worker's fastest marks a slow period")
+    ap.add_argument("--gate", type=float, default=1.4,
+                    help="keep only runs whose probes read within this factor (per run)")
     a = ap.parse_args(argv)
     raw = json.load(open(a.raw))
     base = raw["baseline"]
@@ -64,6 +73,12 @@ def main(argv=None):
     for name, sc in scen.items():
         mine = [s for s in samples if s["scenario"] == name]
         t = {(s["arm"], s["rep"]): step_estimate(sc, s) for s in mine}
+        gated = {}
+        for s in mine:
+            keep = [run for run, h in zip(s["runs"], s["host"])
+                    if max(h["probe_us"]) <= a.gate * fastest[s["arm"]]]
+            if keep:
+                gated[(s["arm"], s["rep"])] = step_estimate(sc, {"runs": keep})
         med = {arm: statistics.median(v for (x, _), v in t.items() if x == arm)
                for arm in {s["arm"] for s in mine}}
         slowness = [t[(s["arm"], s["rep"])] / med[s["arm"]] for s in mine]
@@ -75,9 +90,11 @@ def main(argv=None):
         for arm in med:
             if arm == base:
                 continue
-            for label, keep in (("all", reps), ("probe_ok", [r for r in reps if r not in bad_reps])):
-                ratios = [t[(base, r)] / t[(arm, r)] for r in keep
-                          if (base, r) in t and (arm, r) in t]
+            for label, keep, tt in (("all", reps, t),
+                                    ("probe_ok", [r for r in reps if r not in bad_reps], t),
+                                    ("gated", reps, gated)):
+                ratios = [tt[(base, r)] / tt[(arm, r)] for r in keep
+                          if (base, r) in tt and (arm, r) in tt]
                 m, lo, hi = bootstrap_ci(ratios) if ratios else (None, None, None)
                 row["arms"].setdefault(arm, {})[label] = {"n": len(ratios), "median": m,
                                                           "ci": [lo, hi]}
@@ -90,7 +107,8 @@ def main(argv=None):
             def fmt(x):
                 return ("n/a" if x["median"] is None else
                         f"{x['median']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}] n={x['n']}")
-            print(f"  {arm:12} all {fmt(v['all'])}   probe-ok {fmt(v['probe_ok'])}")
+            print(f"  {arm:12} all {fmt(v['all'])}   probe-ok {fmt(v['probe_ok'])}   "
+                  f"gated runs {fmt(v['gated'])}")
     print(json.dumps(out))
     return 0
 

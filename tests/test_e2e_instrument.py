@@ -152,6 +152,62 @@ def test_step_estimate_drops_hiccups_and_averages_async_alternation():
         e2e.step_estimate(dec, {"runs": [[]]})
 
 
+class Host:
+    """A scripted host for the probe gate: ``probe()`` reads the next value of a list
+    (µs), ``run()`` counts the runs and says which probe reading preceded each, the clock
+    advances 1 ms a probe. The gate's logic is what is tested; the host it reads is
+    scripted because a real host's slow periods cannot be summoned on demand."""
+
+    def __init__(self, probes):
+        self.probes, self.i, self.t, self.runs = list(probes), 0, 0.0, 0
+
+    def probe(self):
+        v = self.probes[min(self.i, len(self.probes) - 1)]
+        self.i += 1
+        self.t += 0.001
+        return v
+
+    def run(self):
+        self.runs += 1
+        return (self.runs, self.i)
+
+    def clock(self):
+        return self.t
+
+
+def test_probe_gate_retakes_a_run_the_slow_host_period_hit():
+    from fltune.integrations.vllm.e2e_worker import GATE_SEED_PROBES, gated_runs
+    seed = [600.0] * GATE_SEED_PROBES
+    # run 1 at speed; run 2's after-probe reads slow (the period began during it), so it
+    # is taken again once the host is back; run 3 at speed
+    h = Host(seed + [610, 620,   630, 1200,   1150, 1180, 640, 615,   600, 605])
+    kept, floor, acc = gated_runs(h.run, h.probe, 3, 1.4, clock=h.clock)
+    assert [probes for _, probes in kept] == [[610, 620], [640, 615], [600, 605]]
+    assert h.runs == 4 and [r for (r, _), _ in kept] == [1, 3, 4]
+    assert acc["retaken"] == 1 and acc["slow_kept"] == 0 and floor == 600.0
+    assert acc["waited_s"] > 0          # before run 3 it probed through 1150 and 1180
+
+
+def test_probe_gate_keeps_a_slow_run_when_its_retakes_run_out():
+    from fltune.integrations.vllm.e2e_worker import gated_runs
+    h = Host([500.0] * 3 + [900.0])      # after its seed the host never comes back
+    kept, floor, acc = gated_runs(h.run, h.probe, 2, 1.4, floor=500.0, retakes=1,
+                                  wait_s=0.005, clock=h.clock)
+    assert len(kept) == 2 and h.runs == 3
+    # run 1 at speed; run 2 slow after, taken again; run 3 slow throughout, kept
+    assert acc["retaken"] == 1 and acc["slow_kept"] == 1 and floor == 500.0
+    assert [p for _, p in kept] == [[500.0, 500.0], [900.0, 900.0]]
+
+
+def test_probe_gate_off_keeps_every_run_and_still_records_the_probes():
+    from fltune.integrations.vllm.e2e_worker import gated_runs
+    h = Host([600.0, 1300.0, 900.0, 610.0])
+    kept, floor, acc = gated_runs(h.run, h.probe, 2, None, clock=h.clock)
+    assert [p for _, p in kept] == [[600.0, 1300.0], [900.0, 610.0]]
+    assert h.runs == 2 and h.i == 4 and floor == 600.0     # no seed probes, no retake
+    assert acc["retaken"] == 0 and acc["waited_s"] == 0.0
+
+
 def test_points_pair_repetitions():
     sc = [Scenario("d", "decode", 1, 8, 9)]
     samples = [{"scenario": "d", "arm": a, "rep": r, "time_s": t}
@@ -211,8 +267,10 @@ def run(tmp_path_factory):
     saved = os.environ.get("VLLM_CACHE_ROOT")     # the workers inherit it; restored after
     os.environ["VLLM_CACHE_ROOT"] = saved or str(root / "vllm_cache")
     try:
+        # a lax probe gate (off by default on CPU): its account must come back per sample
         res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
-                          out_dir=str(out), progress=lambda ev, **kw: events.append(ev))
+                          out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
+                          probe_gate=50.0)
     finally:
         if saved is None:
             os.environ.pop("VLLM_CACHE_ROOT", None)
@@ -260,6 +318,9 @@ def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(r
         # the host speedometer around the run: two positive loop times
         (probe,) = [h["probe_us"] for h in smp["host"]]
         assert len(probe) == 2 and all(x > 0 for x in probe)
+        # the gate's account: its reference is the worker's fastest probe so far
+        g = smp["gate"]
+        assert g["factor"] == 50.0 and 0 < g["floor_us"] <= min(probe)
         steps = smp["runs"][0]
         if smp["scenario"] == "decode_b2":
             # 5 tokens: a prefill step and 4 decode steps, at least (async scheduling adds)
@@ -292,6 +353,9 @@ def test_summary_and_raw_files(run):
     assert all(set(p) == set(e2e.POINT_KEYS) for p in s["points"])
     assert s["engine"]["args"]["enable_prefix_caching"] is False
     assert s["arms"]["broken"]["started"] is False
+    # the gate and what it cost, per arm that ran (the broken arm never timed a run)
+    assert s["engine"]["probe_gate"] == 50.0 == res.host["probe_gate"]
+    assert set(s["engine"]["retaken"]) == {"vanilla", "aa", "routed"}
     raw = json.loads((out / "e2e-raw.json").read_text())
     assert len(raw["samples"]) == len(res.samples)
     for arm in ("vanilla", "aa", "routed", "broken"):
@@ -462,5 +526,7 @@ def test_probe_check_drops_the_repetitions_a_slow_probe_marks(tmp_path, capsys):
     aa = row["arms"]["aa"]
     assert aa["all"]["n"] == 12 and aa["all"]["ci"][0] < 0.7        # the slow reps widen it
     assert aa["probe_ok"]["n"] == 8 and aa["probe_ok"]["ci"] == [1.0, 1.0]
+    # per run (the gate's view): the runs whose probe read 1.6x their worker's fastest go
+    assert aa["gated"]["n"] == 8 and aa["gated"]["ci"] == [1.0, 1.0]
     assert pc.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert pc.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)

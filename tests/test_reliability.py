@@ -18,6 +18,7 @@ import torch
 from fltune.tune.bands import bands
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bad_backends"
+sys.path.insert(0, str(FIXTURES))      # the fixture modules, for tests that import them
 
 
 def run_fltune(args, env=None, timeout=600):
@@ -207,3 +208,29 @@ def test_gpu_manifest_on_a_cpu_machine_is_a_clear_mismatch():
                     "h200-serve-2026-11-29" / "manifest.json").read_text())
     why = check_device(m)
     assert why and "NVIDIA H200" in why and "CUDA" in why
+
+
+def test_a_declared_first_call_gets_its_allowance_and_an_undeclared_one_hangs(monkeypatch):
+    """A candidate whose first call builds its kernel for longer than the hang timeout
+    (FlashInfer's GDN JIT on the H200: minutes) races when it declares it
+    (``OpImpl.first_call_s``: one untimed call under that allowance before parity), and is
+    refused as hung when it does not; the same supervised worker as in calibration."""
+    import fltune_slow_first_call as fx  # noqa: E402  (tests/fixtures/bad_backends)
+
+    from fltune.ops import get_op
+    from fltune.tune.bands import Band
+    from fltune.tune.race import Settings
+    from fltune.tune.worker import WorkerPool
+
+    spec = get_op("silu_and_mul")
+    impls = {i.impl_id: i for i in fx.implementations()}
+    env = {"FLTUNE_PLUGIN_MODULES": "fltune_slow_first_call", "FLTUNE_TEST_BUILD_S": "5"}
+    settings = Settings(device="cpu", reps=3)
+    with WorkerPool(timeout_s=2.0, env=env) as pool:
+        v = pool.adjudicate("silu_and_mul", spec.default_dims, torch.float32, Band(1, 4),
+                            list(impls.values()), settings)
+    out = {o.impl.impl_id: o for o in v.outcomes}
+    assert out["vendor.jit_declared"].outcome == "timed"
+    assert out["vendor.jit_declared"].timing.median_us < 1e6     # the build was not timed
+    assert out["vendor.jit_undeclared"].outcome == "refused"
+    assert "hung" in out["vendor.jit_undeclared"].reason

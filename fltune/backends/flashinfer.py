@@ -275,8 +275,17 @@ def _qualifier(op, module, min_cap):
     return qualify
 
 
+#: FlashInfer JIT-compiles each module on first use where no prebuilt one is installed
+#: (the H200 image has none): ~30 s for norm or rope, and the SM90 GDN prefill (64 CUTLASS
+#: instantiations) over 5 minutes on 16 cores (``h200-2026-12-01-s10``); that first call
+#: is given this long (``OpImpl.first_call_s``), untimed, instead of the hang timeout
+FIRST_CALL_S = {"gdn_chunk_prefill": 1800.0}
+FIRST_CALL_DEFAULT_S = 600.0
+
+
 def implementations():
     return [OpImpl(op_name=op, impl_id=IMPL_ID, kind=BackendImplKind.VENDOR, fn=fn,
                    vendor=VENDOR, priority=PRIORITY, backend="flashinfer",
-                   qualify=_qualifier(op, module, cap), precision_rank=1, supports=supports)
+                   qualify=_qualifier(op, module, cap), precision_rank=1, supports=supports,
+                   first_call_s=FIRST_CALL_S.get(op, FIRST_CALL_DEFAULT_S))
             for op, (fn, module, supports, cap) in FNS.items()]

@@ -131,6 +131,16 @@ def _ops_arg(s):
     return ",".join(names)
 
 
+def _probe_gate(v: str) -> float:
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
+    if f != 0 and not f > 1:
+        raise argparse.ArgumentTypeError(f"0 (off) or a factor above 1, got {v}")
+    return f
+
+
 def _out_arg(s):
     """A file to write: not a directory, in a directory that exists (checked before the work,
     so a long bench or verify does not end in an unwritable path)."""
@@ -332,7 +342,7 @@ def cmd_bench(a) -> int:
             raise UsageError(f"argument --out: {e}") from None
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
                      ("--engine", a.engine), ("--engine-process", a.engine_process),
-                     ("--pinning", a.pinning)):
+                     ("--pinning", a.pinning), ("--probe-gate", a.probe_gate)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -452,7 +462,7 @@ def cmd_bench_e2e(a) -> int:
                            baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
                            out_dir=a.out, progress=progress, device_type=dev,
                            engine_process=a.engine_process or "in-process",
-                           pinning=a.pinning)
+                           pinning=a.pinning, probe_gate=a.probe_gate)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -990,6 +1000,11 @@ def _add_bench(sub) -> None:
                         "(shared, the default; FLTUNE_E2E_PINNING), the measured arm moved "
                         "onto the fastest few cores for each call and the others parked "
                         "(measure), or not pinned (off)")
+    e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
+                   help="a timed run counts only while a fixed Python loop (the host probe, "
+                        "before and after it) reads within FACTOR of the arm's fastest; slow "
+                        "runs are taken again (default 1.4 on CUDA, 0 = off on CPU; "
+                        "FLTUNE_E2E_PROBE_GATE)")
     c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
                                             "e2e-raw.json and the worker logs)")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)

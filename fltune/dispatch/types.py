@@ -74,6 +74,12 @@ class OpImpl:
     #: qualification, in the race's parity on serving layouts, and at every dispatch: a
     #: call outside it goes to another candidate, never silently to this one.
     supports: Optional[Callable[..., Optional[str]]] = field(default=None, repr=False)
+    #: seconds its first call on a new shape may take to build or tune the kernel (a JIT
+    #: compile, an autotune), or 0. Such a candidate gets one untimed call per band before
+    #: its parity check, watched with that allowance instead of the hang timeout: on the
+    #: H200 FlashInfer's GDN prefill JIT took over 5 minutes and was refused as "hung"
+    #: after 120 s, and vLLM's FLA kernels autotune for ~70 s on first use. Never timed.
+    first_call_s: float = 0.0
 
     def __post_init__(self):
         self.kind = BackendImplKind(self.kind)

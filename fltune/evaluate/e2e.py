@@ -318,9 +318,24 @@ class E2EResult:
                            "ratio": "baseline time / arm time per repetition (throughput "
                                     "ratio); median and 95% paired bootstrap CI over reps",
                            "scenarios": self.scenarios,
-                           "pinning": (self.host.get("pinning") or {}).get("mode")},
+                           "pinning": (self.host.get("pinning") or {}).get("mode"),
+                           "probe_gate": self.host.get("probe_gate"),
+                           "retaken": self.retaken()},
                 "arms": arms,
                 "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points]}
+
+    def retaken(self) -> dict | None:
+        """Per arm, the timed runs the probe gate took again and those it kept although
+        slow (its retakes ran out): how much of the run the host's slow periods cost."""
+        out: dict = {}
+        for s in self.samples:
+            g = s.get("gate")
+            if g:
+                a = out.setdefault(s["arm"], {"retaken": 0, "slow_kept": 0, "waited_s": 0.0})
+                a["retaken"] += g.get("retaken", 0)
+                a["slow_kept"] += g.get("slow_kept", 0)
+                a["waited_s"] = round(a["waited_s"] + g.get("waited_s", 0.0), 3)
+        return out or None
 
     def raw(self) -> dict:
         return {"model": self.model, "device_type": self.device_type, "engine": self.engine,
@@ -392,6 +407,11 @@ TOKENS_CHECK = {"batch": 4, "prompt_len": 16, "output_len": 32}
 #: levels (README "Why the wall time cannot see 1 % there"); the multiprocess mode
 #: measures whether the engine users run is as sensitive.
 ENGINE_PROCESSES = {"in-process": "0", "multiprocess": "1"}
+
+#: the probe gate on CUDA (``run_e2e(probe_gate=)``): the H200 machine's probe reads ~650 µs
+#: at speed and ~1100-1350 µs in its slow periods, with the fast level's own spread under
+#: ~1.3x its fastest reading (``h200-2026-12-01-s10``); 1.4 sits between the two
+DEFAULT_PROBE_GATE = 1.4
 MULTIPROCESS_NOTE = ("multiprocess engine (VLLM_ENABLE_V1_MULTIPROCESSING=1): engine steps "
                      "are timed from the front end; no kernel profile, and the plugin's "
                      "counters live in the engine core's process")
@@ -403,7 +423,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             progress=None, inner: int | None = None, device_type: str | None = None,
             start_timeout: float = 900.0, call_timeout: float = 600.0,
             pinning: str | None = None, kernel_reps: int = 3,
-            engine_process: str = "in-process") -> E2EResult:
+            engine_process: str = "in-process",
+            probe_gate: float | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -415,6 +436,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     ``engine_process``: "in-process" (engine core and model in the worker; the kernel
     profile sees the kernels) or "multiprocess" (vLLM's default for its users: the engine
     core busy-loops in a child process; :data:`ENGINE_PROCESSES`).
+    ``probe_gate``: a timed run counts only while the host runs at speed (its probes within
+    this factor of the worker's fastest; slow runs are taken again: ``e2e_worker.gated_runs``);
+    default ``FLTUNE_E2E_PROBE_GATE``, else :data:`DEFAULT_PROBE_GATE` on CUDA and off (0)
+    on CPU, where the engine computes on the very cores the probe reads and a busy
+    2-core machine would retake without end; recorded in the result's ``host``.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -442,6 +468,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                          "out of the worker's torch.profiler")
     if inner is None:
         inner = 3
+    if probe_gate is None:
+        env_gate = os.environ.get("FLTUNE_E2E_PROBE_GATE")
+        probe_gate = (float(env_gate) if env_gate else
+                      DEFAULT_PROBE_GATE if device_type == "cuda" else 0.0)
+    if probe_gate and probe_gate <= 1.0:
+        raise ValueError(f"probe_gate must be 0 (off) or above 1, got {probe_gate}")
     progress = progress or (lambda event, **kw: None)
     work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
     os.makedirs(work, exist_ok=True)
@@ -481,7 +513,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     # 2-core machine cannot be given two each anyway
     pin = plan_pinning(pinning) if device_type == "cuda" else None
     host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
-                                                   else "off (CPU device)"}}
+                                                   else "off (CPU device)"},
+            "probe_gate": probe_gate or None}
     parent_cpus = os.sched_getaffinity(0)
     if pin and pin.parent:
         os.sched_setaffinity(0, pin.parent)
@@ -568,7 +601,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     if name not in procs:
                         continue
                     try:
-                        res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner)
+                        res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner,
+                                            gate=probe_gate or None)
                     except WorkerError as e:
                         fail(name, e)
                         continue

@@ -123,7 +123,8 @@ def _free_memory(device: str) -> int:
 
 def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
                impls: list[OpImpl], settings: Settings, progress=None) -> Verdict:
-    """Race ``impls`` on one band. ``progress(phase, impl_id)`` is called before each candidate's parity check and
+    """Race ``impls`` on one band. ``progress(phase, impl_id[, allowance_s])`` is called
+    before each candidate's first call (when it declares one: ``OpImpl.first_call_s``), its parity check and
     warm-up and before the interleaved race, so a supervising process knows which
     candidate was running if this one dies (see ``tune/worker.py``)."""
     spec = get_op(op_name)
@@ -149,6 +150,17 @@ def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
         if why is not None:
             outcomes.append(Outcome(impl, "unqualified", why))
             continue
+        if impl.first_call_s:
+            # the build or autotune happens here, untimed, under its own allowance
+            # (``OpImpl.first_call_s``); a failure shows again in the parity check below
+            if progress:
+                progress("first_call", impl.impl_id, impl.first_call_s)
+            try:
+                impl.fn(*clone_args(args))
+                if settings.device == "cuda":
+                    torch.cuda.synchronize()
+            except Exception:
+                pass
         if progress:
             progress("parity", impl.impl_id)
         # parity on the tidy inputs, then on the layouts vLLM passes in serving (strided

@@ -89,8 +89,8 @@ def _worker_main(conn, env: dict):
             impl = registry.get(op, iid)
             impls.append(_guarded(impl, conn))
 
-        def progress(phase, name):
-            conn.send(("progress", phase, name))
+        def progress(phase, name, allowance_s=None):
+            conn.send(("progress", phase, name, allowance_s))
         try:
             v = race(op, dims, dtype_from_name(dtype_name), Band(lo, hi), impls,
                      Settings(**settings), progress)
@@ -225,13 +225,16 @@ class WorkerPool:
                             settings.as_dict()))
             current = (None, None)
             verdict, cause = None, None
+            wait_s = self.timeout_s
             while True:
                 try:
-                    ready = self.conn.poll(self.timeout_s)
+                    ready = self.conn.poll(wait_s)
                 except (EOFError, OSError):
                     ready = True
                 if not ready:
-                    cause = f"hung: no progress for {self.timeout_s:.0f} s"
+                    cause = f"hung: no progress for {wait_s:.0f} s" + (
+                        " in its first call (build/autotune allowance)"
+                        if current[0] == "first_call" else "")
                     self._kill()
                     break
                 try:
@@ -244,6 +247,9 @@ class WorkerPool:
                 kind = msg[0]
                 if kind == "progress":
                     current = (msg[1], msg[2])
+                    # a declared first call (JIT build, autotune) gets its own allowance
+                    allowance = msg[3] if len(msg) > 3 else None
+                    wait_s = max(self.timeout_s, allowance) if allowance else self.timeout_s
                 elif kind == "fault":
                     current = ("call", msg[1])
                     cause = f"poisoned the CUDA context: {msg[2]}"

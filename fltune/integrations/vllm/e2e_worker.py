@@ -19,9 +19,11 @@ to the arm's log file. The first reply is ``{"ok": true, "ready": ...}`` once th
 up, or ``{"ok": false, "error": ...}``.
 
 Commands (``cmd``):
-  time     {"scenario": {...}, "inner": k} -> {"runs": [k lists of engine-step seconds],
-           "run_s": [k whole generate() seconds]} (k runs of the scenario, each timed per
-           engine step: see :meth:`Worker.cmd_time`)
+  time     {"scenario": {...}, "inner": k[, "gate": g, "retakes": r]} -> {"runs": [k lists
+           of engine-step seconds], "run_s": [k whole generate() seconds], "host": [k
+           host records with probe_us][, "gate": account]} (k runs of the scenario, each
+           timed per engine step, with ``gate`` only runs at host speed: see
+           :meth:`Worker.cmd_time` and :func:`gated_runs`)
   tokens   {"batch", "prompt_len", "output_len"} -> {"tokens": [[...]], "digest"}
   profile  {"scenario": {...}, "top": n} -> kernel time per step (CUDA only)
   info     -> versions, KV cache size, compilation mode, fltune plugin status
@@ -87,6 +89,8 @@ class Worker:
             self.vocab = int(spec.get("vocab_size") or 256)
         self._prompts: dict = {}
         self._steps = None
+        #: the fastest host probe seen here (µs): the gate's reference (:func:`gated_runs`)
+        self.probe_floor = None
         self.rank_totals: dict = {}
         self._time_steps()
 
@@ -137,31 +141,44 @@ class Worker:
         return time.perf_counter() - t, out
 
     # ---- commands ---------------------------------------------------------------------
-    def cmd_time(self, scenario: dict, inner: int = 1) -> dict:
+    def cmd_time(self, scenario: dict, inner: int = 1, gate: float | None = None,
+                 retakes: int | None = None) -> dict:
         """``inner`` runs of the scenario (decode: ``output_len`` tokens; prefill: one
-        token), each with its engine steps' durations. Python's GC is collected before
+        token), each with its engine steps' durations, the host probe before and after
+        (``probe_us``), and with ``gate`` only runs taken while the host ran at speed
+        (:func:`gated_runs`; its account in ``gate``). Python's GC is collected before
         and held off during the runs, in every arm alike: a collection landing in one
         arm's run is noise, not a property of the arm."""
         import gc
         prompts = self.prompts(scenario["batch"], scenario["prompt_len"])
         n = scenario["output_len"] if scenario["kind"] == "decode" else 1
+
+        def one_run():
+            self._steps = []
+            h0 = host_state()
+            t = self.gen(prompts, n)[0]
+            h = host_delta(h0, host_state())
+            steps, self._steps = self._steps, None
+            return t, steps, h
+
         runs, run_s, host = [], [], []
         gc.collect()
         gc.disable()
         try:
-            for _ in range(max(1, inner)):
-                self._steps = []
-                p0 = host_probe_us()
-                h0 = host_state()
-                run_s.append(self.gen(prompts, n)[0])
-                host.append(host_delta(h0, host_state()))
-                host[-1]["probe_us"] = [p0, host_probe_us()]
-                runs.append(self._steps)
-                self._steps = None
+            kept, self.probe_floor, account = gated_runs(
+                one_run, host_probe_us, max(1, inner), gate, self.probe_floor, retakes)
         finally:
             self._steps = None
             gc.enable()
-        return {"runs": runs, "run_s": run_s, "host": host}
+        for (t, steps, h), probes in kept:
+            h["probe_us"] = probes
+            run_s.append(t)
+            runs.append(steps)
+            host.append(h)
+        out = {"runs": runs, "run_s": run_s, "host": host}
+        if gate:
+            out["gate"] = account
+        return out
 
     def cmd_tokens(self, batch: int, prompt_len: int, output_len: int) -> dict:
         _, out = self.gen(self.prompts(batch, prompt_len), output_len)
@@ -337,6 +354,62 @@ def host_probe_us(loops: int = PROBE_LOOPS) -> float:
     for i in range(loops):
         x += i & 7
     return round((time.perf_counter() - t0) * 1e6, 1)
+
+
+#: how long :func:`gated_runs` waits for the host to come back to speed before a run
+GATE_WAIT_S = 2.0
+#: probes that set a worker's speed floor on its first gated call
+GATE_SEED_PROBES = 20
+
+
+def gated_runs(run, probe, inner: int, gate: float | None, floor: float | None = None,
+               retakes: int | None = None, wait_s: float = GATE_WAIT_S,
+               clock=time.monotonic):
+    """``inner`` calls of ``run()``, each between two ``probe()`` readings (µs of a fixed
+    Python loop: :func:`host_probe_us`); returns ``([(run's result, [before, after])...],
+    floor, account)``.
+
+    With ``gate`` (e.g. 1.4), a run counts only if both probes read at most ``gate`` times
+    ``floor``, the fastest probe this worker has seen (seeded with
+    :data:`GATE_SEED_PROBES` probes): before a run the probe is repeated until it reads
+    fast (at most ``wait_s``), and a run whose probes read slow is taken again, at most
+    ``retakes`` times per call (default ``2 * inner``; after that it is kept and counted
+    in ``slow_kept``). Why: on the H200 machine the host works at one of two speeds in
+    periods of about a second, seen by every process and on every core (a probe of
+    ~650 µs becomes ~1200 µs; ``h200-2026-12-01-s10``), and a run in a slow period is
+    10-20 % slower whatever the arm. Taking every arm's runs only at full speed measures
+    the arms, not the host's period. ``gate`` None or 0: every run counts (the probes are
+    still recorded). ``account``: factor, floor_us, retaken, waited_s, slow_kept."""
+    retakes = 2 * inner if retakes is None else retakes
+    if gate and floor is None:
+        floor = min(probe() for _ in range(GATE_SEED_PROBES))
+    account = {"factor": gate, "retaken": 0, "waited_s": 0.0, "slow_kept": 0}
+    kept = []
+
+    def read():
+        nonlocal floor
+        p = probe()
+        floor = p if floor is None else min(floor, p)
+        return p
+
+    while len(kept) < inner:
+        before = read()
+        if gate:
+            t0 = clock()
+            while before > gate * floor and clock() - t0 < wait_s:
+                before = read()
+            account["waited_s"] += clock() - t0
+        out = run()
+        after = read()
+        slow = bool(gate) and max(before, after) > gate * floor
+        if slow and account["retaken"] < retakes:
+            account["retaken"] += 1
+            continue
+        account["slow_kept"] += int(slow)
+        kept.append((out, [before, after]))
+    account["waited_s"] = round(account["waited_s"], 4)
+    account["floor_us"] = floor
+    return kept, floor, account
 
 
 def host_delta(a: dict, b: dict) -> dict:
