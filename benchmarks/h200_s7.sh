@@ -38,6 +38,9 @@ export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
 export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
 mkdir -p /tmp/s7
+# every instrument run (bench --e2e, adjudicate) ends inside the phase's TIMEOUT with what it
+# measured, fewer repetitions if need be, instead of being killed at it (run_e2e time_limit_s)
+export FLTUNE_E2E_TIME_LIMIT=${E2E_LIMIT:-$(( ${TIMEOUT:-540} - 30 ))}
 # FlashInfer kernels built on an earlier machine (PHASE=fijit brought them back; kept here in
 # the ignored folder .fiaot/ and carried): unpacked into FlashInfer's AOT directory, where
 # JitSpec.build_and_load loads a module's .so without building (is_aot), so vLLM's default

@@ -98,15 +98,24 @@ def worker(a) -> None:
                      disable_radix_cache=True, enable_torch_compile=a.torch_compile,
                      log_level="warning", **kw)
     out.write(json.dumps({"ok": True, "start_s": round(time.time() - t0, 1)}) + "\n")
+    from fltune.integrations.vllm.e2e_worker import gated_runs, host_probe_us
+    floor = None
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "run":
             b, p, o = SCENARIOS[cmd["scenario"]]
             sp = {"temperature": 0.0, "max_new_tokens": o, "ignore_eos": True}
             ids = prompts(b, p, cmd.get("salt", 0))
-            t0 = time.perf_counter()
-            llm.generate(input_ids=ids, sampling_params=sp)
-            out.write(json.dumps({"s": time.perf_counter() - t0}) + "\n")
+
+            def run():
+                t0 = time.perf_counter()
+                llm.generate(input_ids=ids, sampling_params=sp)
+                return time.perf_counter() - t0
+            # the instrument's probe gate (fltune bench --e2e --probe-gate): the call is
+            # taken while the host runs at speed, again if a slow period hit it
+            [(s, probes)], floor, account = gated_runs(run, host_probe_us, 1,
+                                                        a.probe_gate or None, floor)
+            out.write(json.dumps({"s": s, "probe_us": probes, "gate": account}) + "\n")
         elif cmd["cmd"] == "tokens":
             b, p, o = TOKENS_CHECK
             res = llm.generate(input_ids=prompts(b, p),
@@ -137,7 +146,7 @@ class Arm:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--arm-name", name,
                "--profile", a.profile, "--workdir", a.workdir, "--mem-fraction",
                str(a.mem_fraction), "--attention-backend", a.attention_backend,
-               "--device", a.device]
+               "--device", a.device, "--probe-gate", str(a.probe_gate)]
         if a.torch_compile:
             cmd.append("--torch-compile")
         self.log = open(os.path.join(a.workdir, f"worker-{name}.log"), "w")
@@ -176,8 +185,14 @@ def main():
     ap.add_argument("--pinning", default="shared", choices=PINNING_MODES,
                     help="where the arms' host work runs, as `fltune bench --e2e --pinning` "
                          "(fltune/evaluate/pinning.py; not on --device cpu)")
+    ap.add_argument("--probe-gate", type=float, default=None,
+                    help="as `fltune bench --e2e --probe-gate` (default 1.4 on cuda, 0 = off "
+                         "on cpu)")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()
+    if a.probe_gate is None:
+        from fltune.evaluate.e2e import DEFAULT_PROBE_GATE
+        a.probe_gate = DEFAULT_PROBE_GATE if a.device != "cpu" else 0.0
     if a.worker:
         return worker(a)
     from fltune.evaluate.e2e import bootstrap_ci
@@ -214,9 +229,11 @@ def main():
             k = r % len(arms)
             for arm in arms[k:] + arms[:k]:
                 with measuring(pin, arm.p.pid):
-                    s = arm.call(cmd="run", scenario=sc, salt=r)["s"]
+                    res = arm.call(cmd="run", scenario=sc, salt=r)
                 if r >= a.warmup:
-                    samples.append({"rep": r - a.warmup, "scenario": sc, "arm": arm.name, "s": s})
+                    samples.append({"rep": r - a.warmup, "scenario": sc, "arm": arm.name,
+                                    "s": res["s"], "probe_us": res["probe_us"],
+                                    "gate": res["gate"]})
         print(f"rep {r + 1}/{a.warmup + a.reps}", flush=True)
     for arm in arms:
         info[arm.name]["counters"] = arm.call(cmd="quit")["counters"]
@@ -242,7 +259,8 @@ def main():
            "torch_compile": a.torch_compile, "attention_backend": a.attention_backend,
            "scenarios": {s: dict(zip(("batch", "prompt", "output"), SCENARIOS[s])) for s in scen},
            "reps": a.reps, "warmup": a.warmup, "arms": info, "points": points,
-           "host": {"pinning": pin.describe() if pin else {"mode": "off"}},
+           "host": {"pinning": pin.describe() if pin else {"mode": "off"},
+                    "probe_gate": a.probe_gate or None},
            "samples": samples}
     with open(os.path.join(a.out, "sglang-ab.json"), "w") as f:
         json.dump(doc, f, indent=1)

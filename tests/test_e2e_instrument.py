@@ -393,9 +393,10 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
     saved = os.environ.get("VLLM_CACHE_ROOT")
     os.environ["VLLM_CACHE_ROOT"] = saved or str(tmp_path / "vllm_cache")
     try:
-        res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
+        # a time limit the engine starts alone exceed: one repetition of the 50 asked
+        res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=50,
                           warmup=0, inner=1, out_dir=str(tmp_path / "out"),
-                          engine_process="multiprocess")
+                          engine_process="multiprocess", time_limit_s=1.0)
     finally:
         if saved is None:
             os.environ.pop("VLLM_CACHE_ROOT", None)
@@ -405,10 +406,23 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
         assert "MP" in info[arm]["info"]["engine_core_client"]
     assert info["aa"]["tokens_equal_baseline"] is True
     assert any("multiprocess" in n for n in res.engine_notes)
-    assert len(res.samples) == 2 * 2
+    assert len(res.samples) == 2 * 1 and res.reps == 1
+    assert res.host["time_limit"] == {"limit_s": 1.0, "reps_asked": 50, "reps_done": 1}
+    assert json.loads((tmp_path / "out" / "e2e-raw.json").read_text())["reps"] == 1
     for smp in res.samples:
         assert len(smp["runs"][0]) >= 5 and 0 < sum(smp["runs"][0]) <= smp["run_s"][0]
-    assert {p["arm"] for p in res.points} == {"aa"}
+    assert [p["n"] for p in res.points if p["arm"] == "aa"] == [1]
+
+
+def test_a_time_limit_keeps_room_for_the_next_repetition_and_the_kernel_profile():
+    fit = e2e._reps_fit
+    m = e2e.TIME_LIMIT_MARGIN_S
+    # 10 s repetitions of 3 runs each; a profile round ~ 2/3 of one, doubled: 13.3 s a round
+    assert fit(0.0, 10.0, 10.0 + 3 * 40.0 / 3 + m, kernel_rounds=3, inner=3)
+    assert not fit(0.0, 10.0, 10.0 + 3 * 40.0 / 3 + m - 0.1, kernel_rounds=3, inner=3)
+    # no kernel profile (CPU): only the next repetition and the margin
+    assert fit(100.0, 10.0, 110.0 + m, kernel_rounds=0, inner=3)
+    assert not fit(100.0, 10.0, 109.9 + m, kernel_rounds=0, inner=3)
 
 
 # ---- tensor parallelism: the ranks' kernels and counters ------------------------------------

@@ -131,6 +131,16 @@ def _ops_arg(s):
     return ",".join(names)
 
 
+def _positive_seconds(v: str) -> float:
+    try:
+        f = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {v!r}") from None
+    if not f > 0 or f == float("inf"):
+        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {v}")
+    return f
+
+
 def _probe_gate(v: str) -> float:
     try:
         f = float(v)
@@ -342,7 +352,8 @@ def cmd_bench(a) -> int:
             raise UsageError(f"argument --out: {e}") from None
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
                      ("--engine", a.engine), ("--engine-process", a.engine_process),
-                     ("--pinning", a.pinning), ("--probe-gate", a.probe_gate)):
+                     ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
+                     ("--time-limit", a.time_limit)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -456,13 +467,17 @@ def cmd_bench_e2e(a) -> int:
                       f"{kw['scenario']}")
         elif event == "profiled":
             con.print(f"kernel profile {kw['scenario']}")
+        elif event == "time_limit":
+            con.print(f"[yellow]time limit:[/] {kw['reps_done']} of {kw['reps']} repetitions "
+                      "measured, then the kernel profile")
 
     def run():
         return e2e.run_e2e(a.model, arms, scenarios, reps=reps, warmup=warmup,
                            baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
                            out_dir=a.out, progress=progress, device_type=dev,
                            engine_process=a.engine_process or "in-process",
-                           pinning=a.pinning, probe_gate=a.probe_gate)
+                           pinning=a.pinning, probe_gate=a.probe_gate,
+                           time_limit_s=a.time_limit)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1000,6 +1015,11 @@ def _add_bench(sub) -> None:
                         "(shared, the default; FLTUNE_E2E_PINNING), the measured arm moved "
                         "onto the fastest few cores for each call and the others parked "
                         "(measure), or not pinned (off)")
+    e.add_argument("--time-limit", type=_positive_seconds, metavar="SECONDS",
+                   help="end within this many seconds, engine starts included: fewer "
+                        "repetitions (at least one) when the next and the kernel profile "
+                        "would not fit (FLTUNE_E2E_TIME_LIMIT; it also reaches `fltune "
+                        "adjudicate`, per instrument run)")
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
                    help="a timed run counts only while a fixed Python loop (the host probe, "
                         "before and after it) reads within FACTOR of the arm's fastest; slow "

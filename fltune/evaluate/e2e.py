@@ -424,7 +424,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             start_timeout: float = 900.0, call_timeout: float = 600.0,
             pinning: str | None = None, kernel_reps: int = 3,
             engine_process: str = "in-process",
-            probe_gate: float | None = None) -> E2EResult:
+            probe_gate: float | None = None,
+            time_limit_s: float | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -441,6 +442,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     default ``FLTUNE_E2E_PROBE_GATE``, else :data:`DEFAULT_PROBE_GATE` on CUDA and off (0)
     on CPU, where the engine computes on the very cores the probe reads and a busy
     2-core machine would retake without end; recorded in the result's ``host``.
+    ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none): the whole call, engine
+    starts included, should end within it — fewer repetitions than ``reps`` are measured
+    when the next one and the kernel profile would not fit (:func:`_reps_fit`), at least
+    one, and the kernel profile stops after the round that reaches the limit; the result
+    says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
+    has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
+    its kernel profile and its decision that way).
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -466,6 +474,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         raise ValueError("the kernel profile needs engine_process='in-process': with the "
                          "multiprocess engine the kernels run in the engine core's process, "
                          "out of the worker's torch.profiler")
+    t_begin = time.monotonic()
+    if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
+        time_limit_s = float(os.environ["FLTUNE_E2E_TIME_LIMIT"])
+    if time_limit_s is not None and time_limit_s <= 0:
+        raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+    deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
     if probe_gate is None:
@@ -592,8 +606,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         # ---- warm-up and measured repetitions, arms alternating -----------------------
         samples: list = []
         order_names = [a.name for a in arms]
+        reps_done = 0
         for r in range(warmup + reps):
             measured = r >= warmup
+            t_rep = time.monotonic()
             for sc in scenarios:
                 k = r % len(order_names)
                 order = order_names[k:] + order_names[:k]
@@ -616,6 +632,15 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 with open(os.path.join(work, "e2e-raw.partial.json"), "w") as f:
                     json.dump({"scenarios": [asdict(x) for x in scenarios],
                                "baseline": baseline, "samples": samples}, f, default=str)
+            reps_done += int(measured)
+            if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
+                    time.monotonic(), time.monotonic() - t_rep, deadline,
+                    kernel_reps if kernel_profile else 0, inner):
+                host["time_limit"] = {"limit_s": time_limit_s, "reps_asked": reps,
+                                      "reps_done": reps_done}
+                progress("time_limit", reps_done=reps_done, reps=reps)
+                break
+        reps = reps_done
 
         # ---- kernel profile -----------------------------------------------------------
         kernels: dict = {}
@@ -639,6 +664,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         us = res.get("kernel_us_per_step")
                         if us is not None:
                             slot[name]["rounds_us"].append(us)
+                    if deadline and time.monotonic() > deadline:
+                        host.setdefault("time_limit", {"limit_s": time_limit_s,
+                                                       "reps_asked": reps, "reps_done": reps})
+                        host["time_limit"].setdefault("kernel_rounds_cut", []).append(
+                            f"{sc.name}: {r + 1} of {kernel_reps}")
+                        break
                 progress("profiled", scenario=sc.name)
         for name in list(procs):
             try:
@@ -666,6 +697,21 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             json.dump(result.raw(), f, indent=1, default=str)
     progress("done")
     return result
+
+
+#: seconds kept free at the end of a time-limited run (stopping the workers, the files)
+TIME_LIMIT_MARGIN_S = 20.0
+
+
+def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
+              inner: int) -> bool:
+    """Whether one more repetition (as long as the last, ``rep_s``) and then the kernel
+    profile still end before ``deadline``. A profile round runs each (arm, scenario) once
+    or twice (decode: a long and a one-token run) under the profiler, against ``inner``
+    runs per (arm, scenario) in a repetition: estimated at ``2 / inner`` of a repetition,
+    doubled for the profiler's own cost."""
+    profile_s = kernel_rounds * rep_s * (2.0 / max(1, inner)) * 2.0
+    return now + rep_s + profile_s + TIME_LIMIT_MARGIN_S <= deadline
 
 
 def read_counters(path: str | None):
