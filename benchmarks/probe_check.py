@@ -12,7 +12,7 @@ loop timed right before and after each run: ``e2e_worker.host_probe_us``) and pr
    with every repetition dropped in which any arm's probe read more than ``--slow`` times
    its worker's fastest (all arms of the repetition go, so the pairing holds).
 
-3. with ``--gate F`` (default 1.4), the ratios again from only the *runs* whose two probes
+3. with ``--gate F`` (default 1.25, the instrument's), the ratios again from only the *runs* whose two probes
    read within F times their worker's fastest (each sample's estimate from its kept runs;
    a sample with none is left out, and its repetition's pair with it): what the
    instrument's probe gate (``fltune bench --e2e --probe-gate``, ``e2e_worker.gated_runs``)
@@ -56,7 +56,7 @@ def main(argv=None):
     ap.add_argument("raw")
     ap.add_argument("--slow", type=float, default=1.15,
                     help="a probe this many times its worker's fastest marks a slow period")
-    ap.add_argument("--gate", type=float, default=1.4,
+    ap.add_argument("--gate", type=float, default=1.25,
                     help="keep only runs whose probes read within this factor (per run)")
     a = ap.parse_args(argv)
     raw = json.load(open(a.raw))

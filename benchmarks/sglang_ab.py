@@ -186,7 +186,7 @@ def main():
                     help="where the arms' host work runs, as `fltune bench --e2e --pinning` "
                          "(fltune/evaluate/pinning.py; not on --device cpu)")
     ap.add_argument("--probe-gate", type=float, default=None,
-                    help="as `fltune bench --e2e --probe-gate` (default 1.4 on cuda, 0 = off "
+                    help="as `fltune bench --e2e --probe-gate` (default 1.25 on cuda, 0 = off "
                          "on cpu)")
     ap.add_argument("--out", default="out")
     a = ap.parse_args()

@@ -501,3 +501,17 @@ def test_autotune_declares_its_token_cap():
     # the other candidates take any M
     native = next(i for i in gemm.implementations() if i.impl_id == gemm.NATIVE_ID)
     assert native.unsupported((torch.zeros(cap + 1, 8), w, None)) is None
+
+
+def test_serve_says_before_the_start_that_max_autotune_templates_compile():
+    """`fltune serve` counts the linear bands an Inductor max-autotune template serves (each
+    compiled at its first captured size: minutes cold) and says so; other ops' bands do not
+    count, and a manifest without linear has none."""
+    from fltune.integrations.vllm.serve import compiled_at_start
+
+    band = lambda impl: {"impl_id": impl, "lo": 1, "hi": 1}
+    m = {"ops": {"linear": {"tables": [{"bands": [band("autotune.inductor"), band("native.vllm")]},
+                                       {"bands": [band("autotune.inductor")]}]},
+                 "rms_norm": {"tables": [{"bands": [band("autotune.inductor")]}]}}}
+    assert compiled_at_start(m) == 2
+    assert compiled_at_start({"ops": {"rms_norm": {}}}) == 0 and compiled_at_start({}) == 0

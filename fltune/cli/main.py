@@ -1023,7 +1023,7 @@ def _add_bench(sub) -> None:
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
                    help="a timed run counts only while a fixed Python loop (the host probe, "
                         "before and after it) reads within FACTOR of the arm's fastest; slow "
-                        "runs are taken again (default 1.4 on CUDA, 0 = off on CPU; "
+                        "runs are taken again (default 1.25 on CUDA, 0 = off on CPU; "
                         "FLTUNE_E2E_PROBE_GATE)")
     c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
                                             "e2e-raw.json and the worker logs)")

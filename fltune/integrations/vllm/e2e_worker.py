@@ -369,7 +369,7 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor: float | None =
     Python loop: :func:`host_probe_us`); returns ``([(run's result, [before, after])...],
     floor, account)``.
 
-    With ``gate`` (e.g. 1.4), a run counts only if both probes read at most ``gate`` times
+    With ``gate`` (e.g. 1.25), a run counts only if both probes read at most ``gate`` times
     ``floor``, the fastest probe this worker has seen (seeded with
     :data:`GATE_SEED_PROBES` probes): before a run the probe is repeated until it reads
     fast (at most ``wait_s``), and a run whose probes read slow is taken again, at most

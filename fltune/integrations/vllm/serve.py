@@ -202,8 +202,25 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
             print(f"  linear: lowered to vLLM's GEMM in compile ranges whose bands are all "
                   f"vLLM's path (VLLM_COMPILE + Inductor); native/other band edges for "
                   f"-cc.compile_ranges_endpoints: {edges}", file=out, flush=True)
+        compiled = compiled_at_start(manifest)
+        if compiled:
+            print(f"  linear: {compiled} band(s) served by Inductor max-autotune GEMM "
+                  f"templates: the first start compiles them for every captured size "
+                  f"(minutes with a cold cache, seconds once TORCHINDUCTOR_CACHE_DIR holds "
+                  f"them)", file=out, flush=True)
     extra = engine_args(manifest, key, vllm_args, out)
     return vllm_argv(vllm_args, plan.fingerprint, route) + extra, env, plan
+
+
+def compiled_at_start(manifest: dict) -> int:
+    """How many of the manifest's ``linear`` bands an Inductor max-autotune template serves
+    (``autotune.inductor``): each is compiled when vLLM first captures a size in it, so a
+    cold start takes minutes (session 9 on the H200: one did not finish in 480 s). Said
+    before the start, not discovered during it."""
+    n = 0
+    for table in ((manifest.get("ops") or {}).get("linear") or {}).get("tables") or []:
+        n += sum(1 for b in table.get("bands") or [] if b.get("impl_id") == "autotune.inductor")
+    return n
 
 
 def engine_args(manifest: dict, key: Optional[str], vllm_args: Sequence[str],
