@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Session 7 on the H200: issue 13 (the vLLM IR route and the SGLang bridge) on the GPU.
+# The one-H200 sessions' script (7, 9, 10): issue 13 (the vLLM IR route, the SGLang bridge),
+# then issues 11 and 12 (linear per range, FlashInfer's JIT, the GDN pick, the wall A/A).
+# Order on a fresh machine (session 10's lesson): stage vLLM, then PHASE=fibuild (FlashInfer's
+# GDN prefill JIT, minutes) before any phase that runs vLLM's default GDN (ENGINE auto,
+# gdnpick), then pinaa, gdnpick; every instrument run ends inside its phase's timeout
+# (FLTUNE_E2E_TIME_LIMIT from `lim` below).
 # vLLM 0.24 staged in /tmp/vsite, SGLang 0.5.17 in /tmp/sgstage (scripts/stage-sglang.sh),
 # .whl carried with a fresh fltune wheel; one phase per device call; state under /tmp/s7
 # (kept while the machine is warm). Every phase packs what it wrote into $OUT/PHASE.tgz
@@ -38,9 +43,10 @@ export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
 export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
 mkdir -p /tmp/s7
-# every instrument run (bench --e2e, adjudicate) ends inside the phase's TIMEOUT with what it
-# measured, fewer repetitions if need be, instead of being killed at it (run_e2e time_limit_s)
-export FLTUNE_E2E_TIME_LIMIT=${E2E_LIMIT:-$(( ${TIMEOUT:-540} - 30 ))}
+# every instrument run (bench --e2e, adjudicate) ends inside its phase's timeout with what it
+# measured, fewer repetitions if need be, instead of being killed at it (run_e2e
+# time_limit_s): `lim DEFAULT` = that phase's TIMEOUT (or its default) less 30 s
+lim() { local t=${TIMEOUT:-$1}; echo $(( t > 60 ? t - 30 : 0 )); }
 # FlashInfer kernels built on an earlier machine (PHASE=fijit brought them back; kept here in
 # the ignored folder .fiaot/ and carried): unpacked into FlashInfer's AOT directory, where
 # JitSpec.build_and_load loads a module's .so without building (is_aot), so vLLM's default
@@ -113,7 +119,7 @@ PY
 ir) {
   el "ir_e2e $P"
   ARMS=${ARMS:-vanilla,aa,ir} ENDPOINTS=${ENDPOINTS:-auto} REPS=${REPS:-8} \
-    timeout ${TIMEOUT:-560} python3 benchmarks/ir_e2e.py "$P" $M "$W"; echo rc=$?
+    FLTUNE_E2E_TIME_LIMIT=$(lim 560) timeout ${TIMEOUT:-560} python3 benchmarks/ir_e2e.py "$P" $M "$W"; echo rc=$?
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done
@@ -151,7 +157,7 @@ pinaa) {
   # close the wall-time A/A? Same arms and scenarios as linbench's noise arms, PINNING=measure
   # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice
   el "vanilla A/A, pinning ${PINNING:-measure}"
-  timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
+  FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
     --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
     ${ENGINE:+--engine "$ENGINE"} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
@@ -204,7 +210,8 @@ gdnpick) {
   DB=/tmp/s7/lin.db
   [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s9/linrange/lin.db $DB
   el "engine pick ${CHOICE:-gdn_prefill_backend=triton,flashinfer}, pinning ${PINNING:-measure}"
-  FLTUNE_E2E_PINNING=${PINNING:-measure} timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
+  FLTUNE_E2E_PINNING=${PINNING:-measure} FLTUNE_E2E_TIME_LIMIT=$(lim 450) \
+    timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
     --model "$P" --db $DB --engine-choice "${CHOICE:-gdn_prefill_backend=triton,flashinfer}" \
     --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,prefill_2048,prefill_8192}" \
     --out "$W/adj" --json > "$W/pick.json"; echo "adjudicate rc=$?"
@@ -219,7 +226,7 @@ linrange) {
   DB=/tmp/s7/lin.db
   [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s6/linear-calibrate/h200.db $DB
   el "adjudicate linear per range"
-  timeout ${TIMEOUT:-540} python3 -m fltune adjudicate --db $DB --model "$P" --ops linear \
+  FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune adjudicate --db $DB --model "$P" --ops linear \
     --per-range --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
     --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
@@ -231,7 +238,7 @@ linrange) {
 linbench) {
   DB=/tmp/s7/lin.db      # PHASE=linrange's DB, with its per-range decision
   el "served DB against vanilla"
-  timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
+  FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB --reps ${REPS:-8} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"

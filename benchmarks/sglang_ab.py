@@ -193,6 +193,8 @@ def main():
     if a.probe_gate is None:
         from fltune.evaluate.e2e import DEFAULT_PROBE_GATE
         a.probe_gate = DEFAULT_PROBE_GATE if a.device != "cpu" else 0.0
+    if a.probe_gate and not a.probe_gate > 1:
+        ap.error(f"--probe-gate: 0 (off) or a factor above 1, got {a.probe_gate}")
     if a.worker:
         return worker(a)
     from fltune.evaluate.e2e import bootstrap_ci

@@ -200,6 +200,23 @@ def test_rule_2_decides_by_kernel_time_with_a_floor(points, decision, word):
     assert got == decision and word in reason, reason
 
 
+def test_a_point_of_a_run_cut_short_decides_nothing():
+    """A time-limited run (``run_e2e(time_limit_s=)``) may end with one repetition: its CI
+    has zero width and would 'prove' whatever it read. Too few repetitions: native; a
+    kernel CI of one profiled round is not used (the wall rule decides)."""
+    from fltune.evaluate.model_step import MIN_REPS, decide
+
+    one = {**_pt("decode_b1", 1.08, 1.08), "n": 1}
+    got, reason = decide([one, _pt("prefill", 0.99, 1.01)])
+    assert got == "native" and "too few repetitions" in reason and "decode_b1 n=1" in reason
+    assert decide([{**_pt("decode_b1", 1.08, 1.08), "n": MIN_REPS}])[0] == "route"
+    # one kernel round reading 1.2x: ignored, and the wall CI (containing 1) says tie
+    k1 = {**_kpt("decode_b1", 0.95, 1.05, 1.2, 1.2), "kernel_n": 1}
+    got, reason = decide([k1])
+    assert got == "native" and reason.startswith("tie: CI contains 1.00"), reason
+    assert decide([{**k1, "kernel_n": 3}])[0] == "route"
+
+
 def test_tie_reason_names_each_ci():
     from fltune.evaluate.model_step import decide
 

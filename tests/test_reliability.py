@@ -214,7 +214,9 @@ def test_a_declared_first_call_gets_its_allowance_and_an_undeclared_one_hangs(mo
     """A candidate whose first call builds its kernel for longer than the hang timeout
     (FlashInfer's GDN JIT on the H200: minutes) races when it declares it
     (``OpImpl.first_call_s``: one untimed call under that allowance before parity), and is
-    refused as hung when it does not; the same supervised worker as in calibration."""
+    refused as hung when it does not, or when its build outlasts what it declared (then
+    blamed on it by name, known bad for the run, and the band still has a winner); the same
+    supervised worker as in calibration."""
     import fltune_slow_first_call as fx  # noqa: E402  (tests/fixtures/bad_backends)
 
     from fltune.ops import get_op
@@ -222,15 +224,28 @@ def test_a_declared_first_call_gets_its_allowance_and_an_undeclared_one_hangs(mo
     from fltune.tune.race import Settings
     from fltune.tune.worker import WorkerPool
 
+    from fltune.dispatch.manager import get_default_manager
+
     spec = get_op("silu_and_mul")
     impls = {i.impl_id: i for i in fx.implementations()}
-    env = {"FLTUNE_PLUGIN_MODULES": "fltune_slow_first_call", "FLTUNE_TEST_BUILD_S": "5"}
+    impls["reference.torch"] = get_default_manager().registry.get("silu_and_mul",
+                                                                 "reference.torch")
+    # builds of 10 s, a hang timeout of 5 s (wide enough for a loaded 2-core machine's
+    # gaps between a healthy candidate's progress messages)
+    env = {"FLTUNE_PLUGIN_MODULES": "fltune_slow_first_call", "FLTUNE_TEST_BUILD_S": "10"}
     settings = Settings(device="cpu", reps=3)
-    with WorkerPool(timeout_s=2.0, env=env) as pool:
+    with WorkerPool(timeout_s=5.0, env=env) as pool:
         v = pool.adjudicate("silu_and_mul", spec.default_dims, torch.float32, Band(1, 4),
                             list(impls.values()), settings)
+        known_bad = set(i for _, _, i in pool.known_bad)
     out = {o.impl.impl_id: o for o in v.outcomes}
     assert out["vendor.jit_declared"].outcome == "timed"
     assert out["vendor.jit_declared"].timing.median_us < 1e6     # the build was not timed
     assert out["vendor.jit_undeclared"].outcome == "refused"
     assert "hung" in out["vendor.jit_undeclared"].reason
+    # a build longer than its own allowance: blamed on it, by name, in its first call
+    assert out["vendor.jit_short"].outcome == "refused"
+    assert "first-call allowance" in out["vendor.jit_short"].reason
+    assert "during first_call" in out["vendor.jit_short"].reason
+    assert {"vendor.jit_short", "vendor.jit_undeclared"} <= known_bad
+    assert out["reference.torch"].outcome == "timed" and v.winner is not None

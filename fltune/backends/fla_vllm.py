@@ -92,13 +92,14 @@ def cutedsl_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens):
     return o.reshape(v.shape), final.to(initial_state.dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_allocator(device: str) -> None:
     """Give Triton a scratch allocator, as vLLM's own GDN layers do
     (``vllm.triton_utils.allocation.set_triton_allocator``). FlagGems' chunk kernels build
     TMA descriptors at run time, and on the H200 every call raised "Kernel requires a
     runtime memory allocation, but no allocator was set" (``h200-2026-12-01-s10``): the
-    candidate was refused for want of the line a model that runs it has. Once per device."""
+    candidate was refused for want of the line a model that runs it has. Set on every
+    call, as vLLM does: Triton keeps it in a ContextVar (per thread), and it allocates on
+    one device, so a cached "done" would be wrong in another thread or for another GPU."""
     import triton
 
     def alloc(size: int, alignment: int, stream):
@@ -341,5 +342,5 @@ def implementations():
                fn=flaggems_decode, backend="flaggems",
                qualify=_cuda_qualifier("flag_gems.fused", "FlagGems' FLA kernel",
                                        half_only=False),
-               precision_rank=1, supports=decode_packed),
+               precision_rank=1, supports=decode_packed, first_call_s=AUTOTUNE_S),
     ]

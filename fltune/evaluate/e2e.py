@@ -444,10 +444,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     default ``FLTUNE_E2E_PROBE_GATE``, else :data:`DEFAULT_PROBE_GATE` on CUDA and off (0)
     on CPU, where the engine computes on the very cores the probe reads and a busy
     2-core machine would retake without end; recorded in the result's ``host``.
-    ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none): the whole call, engine
-    starts included, should end within it — fewer repetitions than ``reps`` are measured
-    when the next one and the kernel profile would not fit (:func:`_reps_fit`), at least
-    one, and the kernel profile stops after the round that reaches the limit; the result
+    ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none; 0 there = none): the
+    whole call, engine starts included, should end within it — fewer repetitions than
+    ``reps`` are measured when the next one and the kernel profile would not fit
+    (:func:`_reps_fit`), at least one, and no kernel-profile round starts past the limit
+    (``kernel_rounds`` per scenario cut); the result
     says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
     has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
     its kernel profile and its decision that way).
@@ -478,7 +479,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                          "out of the worker's torch.profiler")
     t_begin = time.monotonic()
     if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
-        time_limit_s = float(os.environ["FLTUNE_E2E_TIME_LIMIT"])
+        time_limit_s = float(os.environ["FLTUNE_E2E_TIME_LIMIT"]) or None   # 0: none
     if time_limit_s is not None and time_limit_s <= 0:
         raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
     deadline = t_begin + time_limit_s if time_limit_s else None
@@ -608,7 +609,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         # ---- warm-up and measured repetitions, arms alternating -----------------------
         samples: list = []
         order_names = [a.name for a in arms]
-        reps_done = 0
+        reps_done, reps_asked = 0, reps
         for r in range(warmup + reps):
             measured = r >= warmup
             t_rep = time.monotonic()
@@ -652,6 +653,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             # H200, where the wall time could not)
             for sc in scenarios:
                 for r in range(max(1, kernel_reps)):
+                    if deadline and time.monotonic() > deadline:
+                        # past the limit: no further round, in this scenario or the next
+                        host.setdefault("time_limit", {"limit_s": time_limit_s,
+                                                       "reps_asked": reps_asked,
+                                                       "reps_done": reps})
+                        host["time_limit"].setdefault("kernel_rounds", {})[sc.name] = r
+                        break
                     live = list(procs)
                     order = live[r % len(live):] + live[:r % len(live)] if live else []
                     for name in order:
@@ -666,12 +674,6 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         us = res.get("kernel_us_per_step")
                         if us is not None:
                             slot[name]["rounds_us"].append(us)
-                    if deadline and time.monotonic() > deadline:
-                        host.setdefault("time_limit", {"limit_s": time_limit_s,
-                                                       "reps_asked": reps, "reps_done": reps})
-                        host["time_limit"].setdefault("kernel_rounds_cut", []).append(
-                            f"{sc.name}: {r + 1} of {kernel_reps}")
-                        break
                 progress("profiled", scenario=sc.name)
         for name in list(procs):
             try:

@@ -482,7 +482,9 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     evidence = {"values": ev_values, "baseline": {"arm": BASELINE_ARM,
                                                   "overlay": ch.overlay(DEFAULT)},
                 "listing": listing.to_json() if listing else None, "scenarios": scen,
-                "reps": reps, "warmup": warmup, "engine": engine, "command": command,
+                "reps": getattr(result, "reps", reps), "reps_asked": reps,
+                "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
+                "warmup": warmup, "engine": engine, "command": command,
                 # the per-value rule is model_step's, whichever version it is now
                 "value_rule": model_step.RULE,
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}

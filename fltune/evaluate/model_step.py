@@ -155,17 +155,30 @@ def arm_name(op: str) -> str:
     return f"only:{op}"
 
 
+#: repetitions a point needs before it can decide anything, and profiled rounds before its
+#: kernel CI can: a run cut by its time limit (``run_e2e(time_limit_s=)``) may have one,
+#: and one ratio makes a CI of zero width that would "prove" whatever it read
+MIN_REPS, MIN_KERNEL_ROUNDS = 3, 2
+
+
 def decide(points: list) -> tuple:
-    """(decision, reason) of one op from its arm's e2e points (see the module docstring)."""
+    """(decision, reason) of one op from its arm's e2e points (see the module docstring).
+    Points with fewer than :data:`MIN_REPS` repetitions decide nothing (native, "too few");
+    kernel CIs from fewer than :data:`MIN_KERNEL_ROUNDS` rounds are not used."""
     pts = [p for p in points if p.get("ci_low") is not None and p.get("ci_high") is not None]
     if not pts:
         return "native", "unmeasured: the arm gave no e2e point"
+    few = [p for p in pts if p.get("n") is not None and p["n"] < MIN_REPS]
+    if few:
+        return "native", ("too few repetitions to decide (at least "
+                          f"{MIN_REPS}): " + ", ".join(f"{p['scenario']} n={p['n']}"
+                                                       for p in few))
 
     def ci(p):
         return f"{p['scenario']} CI [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
 
     if all(p.get("kernel_ci_low") is not None and p.get("kernel_ci_high") is not None
-           for p in pts):
+           and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS for p in pts):
         return _decide_by_kernel(pts, ci)
     faster = [p for p in pts if p["ci_low"] > 1.0]
     slower = [p for p in pts if p["ci_high"] < 1.0]
@@ -295,7 +308,9 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             continue
         arm = next((a for a in (getattr(result, "arms_info", None) or {}).items()
                     if a[0] == arm_name(op)), (None, {}))[1]
-        evidence = {"points": points[op], "scenarios": scen, "reps": reps,
+        evidence = {"points": points[op], "scenarios": scen,
+                    "reps": getattr(result, "reps", reps), "reps_asked": reps,
+                    "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
                     "warmup": warmup, "routed_impls": to_measure[op],
                     "arm": arm_name(op), "command": command, "model": src,
                     "effective_routes": (arm.get("counters") or {}).get(

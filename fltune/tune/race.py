@@ -152,15 +152,18 @@ def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
             continue
         if impl.first_call_s:
             # the build or autotune happens here, untimed, under its own allowance
-            # (``OpImpl.first_call_s``); a failure shows again in the parity check below
+            # (``OpImpl.first_call_s``); a build that fails is refused with its own error
+            # (parity would rebuild it under the hang timeout and call that a hang)
             if progress:
                 progress("first_call", impl.impl_id, impl.first_call_s)
             try:
                 impl.fn(*clone_args(args))
                 if settings.device == "cuda":
                     torch.cuda.synchronize()
-            except Exception:
-                pass
+            except Exception as e:      # noqa: BLE001 (recorded: the candidate's outcome)
+                outcomes.append(Outcome(impl, "refused", f"raised in its first call: "
+                                                         f"{type(e).__name__}: {e}"))
+                continue
         if progress:
             progress("parity", impl.impl_id)
         # parity on the tidy inputs, then on the layouts vLLM passes in serving (strided

@@ -233,8 +233,7 @@ class WorkerPool:
                     ready = True
                 if not ready:
                     cause = f"hung: no progress for {wait_s:.0f} s" + (
-                        " in its first call (build/autotune allowance)"
-                        if current[0] == "first_call" else "")
+                        " (its first-call allowance)" if current[0] == "first_call" else "")
                     self._kill()
                     break
                 try:
@@ -268,7 +267,7 @@ class WorkerPool:
                 return verdict
             self.restarts += 1
             phase, name = current
-            if phase in ("parity", "warmup", "call") and name in remaining:
+            if phase in ("first_call", "parity", "warmup", "call") and name in remaining:
                 why = f"{cause} during {phase}; the worker was replaced"
                 refused[name] = why
                 remaining.remove(name)

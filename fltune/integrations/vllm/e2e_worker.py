@@ -379,7 +379,13 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor: float | None =
     ~650 µs becomes ~1200 µs; ``h200-2026-12-01-s10``), and a run in a slow period is
     10-20 % slower whatever the arm. Taking every arm's runs only at full speed measures
     the arms, not the host's period. ``gate`` None or 0: every run counts (the probes are
-    still recorded). ``account``: factor, floor_us, retaken, waited_s, slow_kept."""
+    still recorded). ``account``: factor, floor_us, retaken, waited_s, slow_kept.
+
+    The probe runs on the worker's main thread, so another thread of the same process that
+    holds the GIL during it also reads as "slow": in fltune's arms the plugin's counters
+    writer (a file write once a second) is such a thread, vanilla has none. Its share of a
+    run's probe window is ~0.1 %; the summary's per-arm ``retaken`` shows whether the arms
+    were treated alike. The floor is the lowest reading ever, so it only tightens."""
     retakes = 2 * inner if retakes is None else retakes
     if gate and floor is None:
         floor = min(probe() for _ in range(GATE_SEED_PROBES))

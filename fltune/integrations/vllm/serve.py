@@ -204,8 +204,9 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
                   f"-cc.compile_ranges_endpoints: {edges}", file=out, flush=True)
         compiled = compiled_at_start(manifest)
         if compiled:
-            print(f"  linear: {compiled} band(s) served by Inductor max-autotune GEMM "
-                  f"templates: the first start compiles them for every captured size "
+            print(f"  linear: up to {compiled} band(s) served by Inductor max-autotune GEMM "
+                  f"templates (those the routed ranges reach): the first start compiles them "
+                  f"for every captured size "
                   f"(minutes with a cold cache, seconds once TORCHINDUCTOR_CACHE_DIR holds "
                   f"them)", file=out, flush=True)
     extra = engine_args(manifest, key, vllm_args, out)
