@@ -19,7 +19,7 @@
 #                fltune's default route, alternated, REPS repetitions.
 #   PHASE=sgc    SGLang --enable-torch-compile, plugin off vs FLTUNE_ROUTE=all
 #                (benchmarks/h200_sglang.py): tokens and counters inside compiled graphs.
-#   PHASE=linrange  (not run yet) issue 11.3 + 12: `linear` decided per token range on
+#   PHASE=linrange  issue 11.3 + 12: `linear` decided per token range on
 #                Qwen3.5-0.8B from session 6's calibrated DB (band-1 max-autotune wins: GPU
 #                1.277x per b1 decode step; whole-range decision was native because prefill
 #                lost 0.768x wall and the LM head cost ~100 µs per step, since removed from
@@ -27,7 +27,7 @@
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
 #   PHASE=linbench  then the served DB against vanilla with the instrument
 #                (`fltune bench --e2e`, arms vanilla / aa / calibrated). Run in session 9.
-#   PHASE=fijit  (not run yet) FlashInfer's JIT (GDN prefill) built once and checked, the
+#   PHASE=fijit  (run in session 10; its GDN build outlasted the call: PHASE=fibuild) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
 #   PHASE=fibuild  FlashInfer's GDN prefill module alone (MAX_JOBS=16), packed like fijit's:
@@ -35,7 +35,7 @@
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
-#   PHASE=pinaa  (not run yet) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
+#   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
