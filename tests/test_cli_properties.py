@@ -479,6 +479,10 @@ def check_invocation(inv, good_db, rand_bytes=b"\x00garbage"):
 # --threshold -1: ZeroDivisionError; --copy-mib -1: a negative tensor size
 @example(inv=(["diff", GOOD, GOOD, "--threshold", "-1"], [["--threshold"]], [], [], None),
          rand_bytes=b"x")
+# --threshold '١٢' (Arabic-Indic digits): Python's float() reads it as 12 and it was accepted
+# (CI, 2026-12-01); every numeric flag now takes ASCII spellings only
+@example(inv=(["diff", GOOD, GOOD, "--threshold", "١٢"], [["--threshold"]], [], [], None),
+         rand_bytes=b"x")
 @example(inv=(["bench", "--model", "tiny-qwen3", "--db", GOOD, "--ops", "silu_and_mul",
                "--max-tokens", "1", "--copy-mib", "-1", "--budget", "0.001", "--quiet"],
               [["--copy-mib"]], [], [], None), rand_bytes=b"x")

@@ -75,10 +75,27 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_REPS = 1_000_000
 
 
+def _number(kind, s: str):
+    """``int(s)`` or ``float(s)`` of an ASCII spelling only: Python also reads other
+    scripts' digits ('١٢' is 12), which a flag's value should not be taken as
+    (found by tests/test_cli_properties.py)."""
+    if not s.isascii():
+        raise ValueError(f"not an ASCII number: {s!r}")
+    return kind(s)
+
+
+def _int(s: str) -> int:
+    """An integer flag whose range is checked later (``--tp``: against the model)."""
+    try:
+        return _number(int, s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+
+
 def _int_in(lo, hi):
     def parse(s):
         try:
-            v = int(s)
+            v = _number(int, s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}], got {s!r}")
         if not lo <= v <= hi:
@@ -93,7 +110,7 @@ def _float_in(lo, hi=None, lo_open=False):
     def parse(s):
         import math
         try:
-            v = float(s)
+            v = _number(float, s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number in {rng}, got {s!r}")
         if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
@@ -133,7 +150,7 @@ def _ops_arg(s):
 
 def _positive_seconds(v: str) -> float:
     try:
-        f = float(v)
+        f = _number(float, v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {v!r}") from None
     if not f > 0 or f == float("inf"):
@@ -143,7 +160,7 @@ def _positive_seconds(v: str) -> float:
 
 def _probe_gate(v: str) -> float:
     try:
-        f = float(v)
+        f = _number(float, v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
     if f != 0 and not f > 1:
@@ -899,7 +916,7 @@ def _add_calibrate(sub) -> None:
     c = sub.add_parser("calibrate", help="measure a model's workload into the DB")
     c.add_argument("--model", required=True, help=MODEL_HELP)
     c.add_argument("--db", default=DEFAULT_DB, help=DB_HELP)
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
+    c.add_argument("--tp", type=_int, default=1, help="tensor-parallel size: per-rank shapes")
     c.add_argument("--dtype", type=_dtype_arg,
                    help="override the config's dtype (bf16, fp16, fp32)")
     c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
@@ -976,7 +993,7 @@ def _add_bench(sub) -> None:
     c.add_argument("--db", help=DB_HELP + "; with --e2e, adds the arm calibrated=db:DB")
     c.add_argument("--db-device", help="the DB's device row to freeze (key prefix or name; "
                                        "default: this machine's)")
-    c.add_argument("--tp", type=int, default=1, help="tensor-parallel size: per-rank shapes")
+    c.add_argument("--tp", type=_int, default=1, help="tensor-parallel size: per-rank shapes")
     c.add_argument("--dtype", type=_dtype_arg,
                    help="override the config's dtype (bf16, fp16, fp32)")
     c.add_argument("--max-tokens", type=_int_in(1, MAX_TOKENS_LIMIT),
@@ -1046,8 +1063,8 @@ def _add_verify(sub) -> None:
     c.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     c.add_argument("--ops", help="comma-separated subset of the ops to measure")
     c.add_argument("--scenarios", help="comma-separated e2e scenarios (default: the device's)")
-    c.add_argument("--reps", type=int, default=10, help="measured repetitions per arm")
-    c.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first")
+    c.add_argument("--reps", type=_int, default=10, help="measured repetitions per arm")
+    c.add_argument("--warmup", type=_int, default=2, help="unmeasured rounds first")
     c.add_argument("--out", help="a directory for adjudication.json, the e2e raw data and "
                                  "the worker logs")
     c.add_argument("--per-range", nargs="?", const=",".join(
