@@ -148,16 +148,6 @@ def _ops_arg(s):
     return ",".join(names)
 
 
-def _positive_seconds(v: str) -> float:
-    try:
-        f = _number(float, v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {v!r}") from None
-    if not f > 0 or f == float("inf"):
-        raise argparse.ArgumentTypeError(f"a positive number of seconds, got {v}")
-    return f
-
-
 def _probe_gate(v: str) -> float:
     try:
         f = _number(float, v)
@@ -1032,7 +1022,7 @@ def _add_bench(sub) -> None:
                         "(shared, the default; FLTUNE_E2E_PINNING), the measured arm moved "
                         "onto the fastest few cores for each call and the others parked "
                         "(measure), or not pinned (off)")
-    e.add_argument("--time-limit", type=_positive_seconds, metavar="SECONDS",
+    e.add_argument("--time-limit", type=_float_in(0.0, lo_open=True), metavar="SECONDS",
                    help="end within this many seconds, engine starts included: fewer "
                         "repetitions (at least one) when the next and the kernel profile "
                         "would not fit (FLTUNE_E2E_TIME_LIMIT; it also reaches `fltune "

@@ -407,6 +407,9 @@ TOKENS_CHECK = {"batch": 4, "prompt_len": 16, "output_len": 32}
 #: levels (README "Why the wall time cannot see 1 % there"); the multiprocess mode
 #: measures whether the engine users run is as sensitive.
 ENGINE_PROCESSES = {"in-process": "0", "multiprocess": "1"}
+MULTIPROCESS_NOTE = ("multiprocess engine (VLLM_ENABLE_V1_MULTIPROCESSING=1): engine steps "
+                     "are timed from the front end; no kernel profile, and the plugin's "
+                     "counters live in the engine core's process")
 
 #: the probe gate on CUDA (``run_e2e(probe_gate=)``): the H200 machine's probe reads ~600-760
 #: µs at speed and ~1100-1350 µs in its slow periods (``h200-2026-12-01-s10``). Runs kept at
@@ -414,9 +417,6 @@ ENGINE_PROCESSES = {"in-process": "0", "multiprocess": "1"}
 #: kernels, at 1.4x up to 8.6 % (the upper edge of the fast level is already a little slow),
 #: ungated 15-22 %: 1.25 keeps most of the fast level and none of the slow one
 DEFAULT_PROBE_GATE = 1.25
-MULTIPROCESS_NOTE = ("multiprocess engine (VLLM_ENABLE_V1_MULTIPROCESSING=1): engine steps "
-                     "are timed from the front end; no kernel profile, and the plugin's "
-                     "counters live in the engine core's process")
 
 
 def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: int = 2,
@@ -491,6 +491,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                       DEFAULT_PROBE_GATE if device_type == "cuda" else 0.0)
     if probe_gate and probe_gate <= 1.0:
         raise ValueError(f"probe_gate must be 0 (off) or above 1, got {probe_gate}")
+    probe_gate = probe_gate or None
     progress = progress or (lambda event, **kw: None)
     work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
     os.makedirs(work, exist_ok=True)
@@ -531,7 +532,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     pin = plan_pinning(pinning) if device_type == "cuda" else None
     host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
                                                    else "off (CPU device)"},
-            "probe_gate": probe_gate or None}
+            "probe_gate": probe_gate}
     parent_cpus = os.sched_getaffinity(0)
     if pin and pin.parent:
         os.sched_setaffinity(0, pin.parent)
@@ -610,6 +611,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         samples: list = []
         order_names = [a.name for a in arms]
         reps_done, reps_asked = 0, reps
+
+        def time_limit_record() -> dict:
+            """What the time limit cut (``host["time_limit"]``), made on its first cut."""
+            return host.setdefault("time_limit", {"limit_s": time_limit_s,
+                                                  "reps_asked": reps_asked,
+                                                  "reps_done": reps_done})
         for r in range(warmup + reps):
             measured = r >= warmup
             t_rep = time.monotonic()
@@ -621,7 +628,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         continue
                     try:
                         res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner,
-                                            gate=probe_gate or None)
+                                            gate=probe_gate)
                     except WorkerError as e:
                         fail(name, e)
                         continue
@@ -639,8 +646,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
                     time.monotonic(), time.monotonic() - t_rep, deadline,
                     kernel_reps if kernel_profile else 0, inner):
-                host["time_limit"] = {"limit_s": time_limit_s, "reps_asked": reps,
-                                      "reps_done": reps_done}
+                time_limit_record()
                 progress("time_limit", reps_done=reps_done, reps=reps)
                 break
         reps = reps_done
@@ -655,10 +661,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 for r in range(max(1, kernel_reps)):
                     if deadline and time.monotonic() > deadline:
                         # past the limit: no further round, in this scenario or the next
-                        host.setdefault("time_limit", {"limit_s": time_limit_s,
-                                                       "reps_asked": reps_asked,
-                                                       "reps_done": reps})
-                        host["time_limit"].setdefault("kernel_rounds", {})[sc.name] = r
+                        time_limit_record().setdefault("kernel_rounds", {})[sc.name] = r
                         break
                     live = list(procs)
                     order = live[r % len(live):] + live[:r % len(live)] if live else []
