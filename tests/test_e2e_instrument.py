@@ -379,11 +379,13 @@ def test_cli_refuses_a_bad_arm_spec():
 
 
 @engine_test
-def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
+def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path, monkeypatch):
     """``engine_process="multiprocess"``: vLLM's default for its users (engine core in its
     own process); steps are still timed one by one, the two vanilla arms agree on tokens,
-    and asking for the kernel profile with it is refused (the kernels are out of reach)."""
-    sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
+    and asking for the kernel profile with it is refused (the kernels are out of reach).
+    The same run is cut by its time limit between two scenarios of its first repetition:
+    what it measured is kept and the cut is recorded, instead of a kill with nothing."""
+    sc = [Scenario("decode_b2", "decode", 2, 8, 5), Scenario("decode_b1", "decode", 1, 8, 5)]
     with pytest.raises(ValueError, match="in-process"):
         e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], sc, reps=1, kernel_profile=True,
                     engine_process="multiprocess", out_dir=str(tmp_path / "refused"))
@@ -392,11 +394,17 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
                     engine_process="threads", out_dir=str(tmp_path / "refused2"))
     saved = os.environ.get("VLLM_CACHE_ROOT")
     os.environ["VLLM_CACHE_ROOT"] = saved or str(tmp_path / "vllm_cache")
+
+    def progress(event, **kw):
+        # once the first scenario of the first measured repetition is done, the limit's
+        # margin swallows what is left of the hour: the next check must cut
+        if event == "rep" and not kw["warmup"] and kw["scenario"] == "decode_b2":
+            monkeypatch.setattr(e2e, "TIME_LIMIT_MARGIN_S", 7200.0)
     try:
-        # a time limit the engine starts alone exceed: one repetition of the 50 asked
         res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=50,
                           warmup=0, inner=1, out_dir=str(tmp_path / "out"),
-                          engine_process="multiprocess", time_limit_s=1.0)
+                          engine_process="multiprocess", time_limit_s=3600.0,
+                          progress=progress)
     finally:
         if saved is None:
             os.environ.pop("VLLM_CACHE_ROOT", None)
@@ -406,12 +414,17 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path):
         assert "MP" in info[arm]["info"]["engine_core_client"]
     assert info["aa"]["tokens_equal_baseline"] is True
     assert any("multiprocess" in n for n in res.engine_notes)
-    assert len(res.samples) == 2 * 1 and res.reps == 1
-    assert res.host["time_limit"] == {"limit_s": 1.0, "reps_asked": 50, "reps_done": 1}
-    assert json.loads((tmp_path / "out" / "e2e-raw.json").read_text())["reps"] == 1
+    # decode_b2 of repetition 0 measured in both arms; decode_b1 cut before it started
+    assert sorted((s["scenario"], s["arm"]) for s in res.samples) == [
+        ("decode_b2", "aa"), ("decode_b2", "vanilla")]
+    assert res.reps == 0
+    assert res.host["time_limit"] == {"limit_s": 3600.0, "reps_asked": 50, "reps_done": 0,
+                                      "cut": {"rep": 0, "warmup": False,
+                                              "scenario": "decode_b1"}}
+    assert json.loads((tmp_path / "out" / "e2e-raw.json").read_text())["reps"] == 0
     for smp in res.samples:
         assert len(smp["runs"][0]) >= 5 and 0 < sum(smp["runs"][0]) <= smp["run_s"][0]
-    assert [p["n"] for p in res.points if p["arm"] == "aa"] == [1]
+    assert [(p["scenario"], p["n"]) for p in res.points if p["arm"] == "aa"] == [("decode_b2", 1)]
 
 
 def test_a_time_limit_keeps_room_for_the_next_repetition_and_the_kernel_profile():

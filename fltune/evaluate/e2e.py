@@ -447,8 +447,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none; 0 there = none): the
     whole call, engine starts included, should end within it — fewer repetitions than
     ``reps`` are measured when the next one and the kernel profile would not fit
-    (:func:`_reps_fit`), at least one, and no kernel-profile round starts past the limit
-    (``kernel_rounds`` per scenario cut); the result
+    (:func:`_reps_fit`), no repetition or scenario block (warm-up included) starts within
+    :data:`TIME_LIMIT_MARGIN_S` of the limit (``cut``: where; a repetition cut midway keeps
+    its finished scenarios, paired, but is not counted in ``reps``), and no kernel-profile
+    round starts past it (``kernel_rounds`` per scenario cut); the result
     says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
     has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
     its kernel profile and its decision that way).
@@ -617,18 +619,35 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             return host.setdefault("time_limit", {"limit_s": time_limit_s,
                                                   "reps_asked": reps_asked,
                                                   "reps_done": reps_done})
+        def out_of_time() -> bool:
+            """Whether the limit leaves no room to start another (scenario, arm) block:
+            checked before every repetition and scenario, warm-up included, so engine
+            starts that ate the limit (a cold GPU machine's first engine: minutes of Triton
+            autotuning and FlashInfer JIT) end the run with its record, not a kill."""
+            return bool(deadline) and time.monotonic() + TIME_LIMIT_MARGIN_S > deadline
+
         for r in range(warmup + reps):
             measured = r >= warmup
             t_rep = time.monotonic()
+            cut = False
             for sc in scenarios:
+                if out_of_time():
+                    rec = time_limit_record()
+                    rec["cut"] = {"rep": r - warmup if measured else None,
+                                  "warmup": not measured, "scenario": sc.name}
+                    progress("time_limit", reps_done=reps_done, reps=reps)
+                    cut = True
+                    break
                 k = r % len(order_names)
                 order = order_names[k:] + order_names[:k]
                 for pos, name in enumerate(order):
                     if name not in procs:
                         continue
                     try:
+                        # warm-up runs are not gated: they are thrown away, and waiting for
+                        # the host's fast periods there only spends the call's time
                         res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner,
-                                            gate=probe_gate)
+                                            gate=probe_gate if measured else None)
                     except WorkerError as e:
                         fail(name, e)
                         continue
@@ -642,6 +661,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 with open(os.path.join(work, "e2e-raw.partial.json"), "w") as f:
                     json.dump({"scenarios": [asdict(x) for x in scenarios],
                                "baseline": baseline, "samples": samples}, f, default=str)
+            if cut:
+                break
             reps_done += int(measured)
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
                     time.monotonic(), time.monotonic() - t_rep, deadline,
