@@ -47,15 +47,25 @@ mkdir -p /tmp/s7
 # measured, fewer repetitions if need be, instead of being killed at it (run_e2e
 # time_limit_s): `lim DEFAULT` = that phase's TIMEOUT (or its default) less 30 s
 lim() { local t=${TIMEOUT:-$1}; echo $(( t > 60 ? t - 30 : 0 )); }
-# FlashInfer kernels built on an earlier machine (PHASE=fijit brought them back; kept here in
-# the ignored folder .fiaot/ and carried): unpacked into FlashInfer's AOT directory, where
-# JitSpec.build_and_load loads a module's .so without building (is_aot), so vLLM's default
-# GDN prefill (FlashInfer on SM90) starts in seconds instead of minutes of JIT
-if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; then
-  AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
-  [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
-    && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
-fi
+# FlashInfer kernels built elsewhere (PHASE=fibuild/fijit brought them back, or
+# scripts/build-flashinfer-aot.sh cross-compiled them on a CPU machine; kept in the ignored
+# folder .fiaot/, carried, or copied to /tmp/fiaot by an earlier call of this machine):
+# unpacked into FlashInfer's AOT directory, where JitSpec.build_and_load loads a module's .so
+# without building (is_aot), so vLLM's default GDN prefill (FlashInfer on SM90) and its
+# FlashInfer sampler start in seconds instead of minutes of JIT (session 11: the sampler's
+# JIT alone took 130 s of the first engine's start). A triton.tgz beside them (Triton's cache
+# from an earlier machine: the FLA kernels' autotuning, 90 s of that start) goes to
+# TRITON_CACHE_DIR.
+for FA in .fiaot /tmp/fiaot; do
+  if ls $FA/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; then
+    AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
+    [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls $FA/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
+      && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
+  fi
+  if [ -f $FA/triton.tgz ] && [ ! -d /tmp/s7/triton ]; then
+    tar -xzf $FA/triton.tgz -C /tmp/s7 && echo "Triton cache restored: $(ls /tmp/s7/triton | wc -l) entries"
+  fi
+done
 P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*|fibuild) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}
 M=/tmp/s7/manifest.json
 t0=$(date +%s)

@@ -31,6 +31,7 @@ Commands (``cmd``):
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -360,9 +361,36 @@ def host_probe_us(loops: int = PROBE_LOOPS) -> float:
 GATE_WAIT_S = 2.0
 #: probes that set a worker's speed floor on its first gated call
 GATE_SEED_PROBES = 20
+#: the speed floor is this quantile of the worker's last :data:`FLOOR_WINDOW` probes
+FLOOR_QUANTILE, FLOOR_WINDOW = 0.1, 400
 
 
-def gated_runs(run, probe, inner: int, gate: float | None, floor: float | None = None,
+class SpeedFloor:
+    """What a worker's host probe reads at full speed: the :data:`FLOOR_QUANTILE` quantile of
+    its last :data:`FLOOR_WINDOW` readings (``us``). Why not the lowest reading ever (the
+    first version): one reading well below the fast level set a gate the fast level itself
+    failed. On the H200 machine in session 11 the probe's fast level read 745-1000 µs with
+    one reading of 698, so a 1.25x gate on the minimum (873 µs) retook runs taken at full
+    speed, and the gate's waits cost ~90 s a repetition of 5 scenarios x 3 arms. A low
+    quantile sits inside the fast level as long as the host spends a tenth of its time
+    there; if it never does, the floor rises to the slow level and the gate lets runs
+    through rather than wait without end (``floor_us`` in the account says which)."""
+
+    def __init__(self, readings=()):
+        self.readings = collections.deque(readings, maxlen=FLOOR_WINDOW)
+
+    def add(self, us: float) -> None:
+        self.readings.append(us)
+
+    @property
+    def us(self) -> float | None:
+        if not self.readings:
+            return None
+        r = sorted(self.readings)
+        return r[int(FLOOR_QUANTILE * (len(r) - 1))]
+
+
+def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
                retakes: int | None = None, wait_s: float = GATE_WAIT_S,
                clock=time.monotonic):
     """``inner`` calls of ``run()``, each between two ``probe()`` readings (µs of a fixed
@@ -370,51 +398,54 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor: float | None =
     floor, account)``.
 
     With ``gate`` (e.g. 1.25), a run counts only if both probes read at most ``gate`` times
-    ``floor``, the fastest probe this worker has seen (seeded with
-    :data:`GATE_SEED_PROBES` probes): before a run the probe is repeated until it reads
-    fast (at most ``wait_s``), and a run whose probes read slow is taken again, at most
-    ``retakes`` times per call (default ``2 * inner``; after that it is kept and counted
-    in ``slow_kept``). Why: on the H200 machine the host works at one of two speeds in
-    periods of about a second, seen by every process and on every core (a probe of
-    ~650 µs becomes ~1200 µs; ``h200-2026-12-01-s10``), and a run in a slow period is
-    10-20 % slower whatever the arm. Taking every arm's runs only at full speed measures
-    the arms, not the host's period. ``gate`` None or 0: every run counts (the probes are
-    still recorded). ``account``: factor, floor_us, retaken, waited_s, slow_kept.
+    the worker's speed floor (:class:`SpeedFloor`, kept across calls; a number seeds a new
+    one; seeded with :data:`GATE_SEED_PROBES` probes when empty): before a run the probe is
+    repeated until it reads fast (at most ``wait_s``), and a run whose probes read slow is
+    taken again, at most ``retakes`` times per call (default ``2 * inner``; after that it
+    is kept and counted in ``slow_kept``). Why: on the H200 machine the host works at one
+    of two speeds in periods of about a second, seen by every process and on every core (a
+    probe of ~650 µs becomes ~1200 µs; ``h200-2026-12-01-s10``), and a run in a slow
+    period is 10-20 % slower whatever the arm. Taking every arm's runs only at full speed
+    measures the arms, not the host's period. ``gate`` None or 0: every run counts (the
+    probes are still recorded). ``account``: factor, floor_us, retaken, waited_s,
+    slow_kept.
 
     The probe runs on the worker's main thread, so another thread of the same process that
     holds the GIL during it also reads as "slow": in fltune's arms the plugin's counters
     writer (a file write once a second) is such a thread, vanilla has none. Its share of a
     run's probe window is ~0.1 %; the summary's per-arm ``retaken`` shows whether the arms
-    were treated alike. The floor is the lowest reading ever, so it only tightens."""
+    were treated alike."""
     retakes = 2 * inner if retakes is None else retakes
-    if gate and floor is None:
-        floor = min(probe() for _ in range(GATE_SEED_PROBES))
+    if not isinstance(floor, SpeedFloor):
+        floor = SpeedFloor([] if floor is None else [floor])
+    if gate and floor.us is None:
+        for _ in range(GATE_SEED_PROBES):
+            floor.add(probe())
     account = {"factor": gate, "retaken": 0, "waited_s": 0.0, "slow_kept": 0}
     kept = []
 
     def read():
-        nonlocal floor
         p = probe()
-        floor = p if floor is None else min(floor, p)
+        floor.add(p)
         return p
 
     while len(kept) < inner:
         before = read()
         if gate:
             t0 = clock()
-            while before > gate * floor and clock() - t0 < wait_s:
+            while before > gate * floor.us and clock() - t0 < wait_s:
                 before = read()
             account["waited_s"] += clock() - t0
         out = run()
         after = read()
-        slow = bool(gate) and max(before, after) > gate * floor
+        slow = bool(gate) and max(before, after) > gate * floor.us
         if slow and account["retaken"] < retakes:
             account["retaken"] += 1
             continue
         account["slow_kept"] += int(slow)
         kept.append((out, [before, after]))
     account["waited_s"] = round(account["waited_s"], 4)
-    account["floor_us"] = floor
+    account["floor_us"] = floor.us
     return kept, floor, account
 
 
