@@ -7,13 +7,14 @@ loop timed right before and after each run: ``e2e_worker.host_probe_us``) and pr
 
 1. per scenario, the rank correlation between a run's slowness (its time over its arm's
    median for that scenario) and its probe's slowness (the slower of its two probes over
-   the fastest probe of that worker) — near 0: the probe does not see what slows the runs;
+   that worker's speed floor: the 10th percentile of its probes, as the gate's
+   ``e2e_worker.SpeedFloor``) — near 0: the probe does not see what slows the runs;
 2. the A/A and every other arm's ratio to the baseline as the instrument computes it, then
    with every repetition dropped in which any arm's probe read more than ``--slow`` times
-   its worker's fastest (all arms of the repetition go, so the pairing holds).
+   its worker's floor (all arms of the repetition go, so the pairing holds).
 
 3. with ``--gate F`` (default 1.25, the instrument's), the ratios again from only the *runs* whose two probes
-   read within F times their worker's fastest (each sample's estimate from its kept runs;
+   read within F times their worker's floor (each sample's estimate from its kept runs;
    a sample with none is left out, and its repetition's pair with it): what the
    instrument's probe gate (``fltune bench --e2e --probe-gate``, ``e2e_worker.gated_runs``)
    would have kept, short of the retakes it adds.
@@ -30,6 +31,7 @@ import statistics
 import sys
 
 from fltune.evaluate.e2e import Scenario, bootstrap_ci, step_estimate
+from fltune.integrations.vllm.e2e_worker import SpeedFloor
 
 
 def ranks(xs):
@@ -55,7 +57,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("raw")
     ap.add_argument("--slow", type=float, default=1.15,
-                    help="a probe this many times its worker's fastest marks a slow period")
+                    help="a probe this many times its worker's floor marks a slow period")
     ap.add_argument("--gate", type=float, default=1.25,
                     help="keep only runs whose probes read within this factor (per run)")
     a = ap.parse_args(argv)
@@ -65,10 +67,12 @@ def main(argv=None):
     samples = [s for s in raw["samples"] if all("probe_us" in h for h in s.get("host", []))]
     if not samples:
         sys.exit("no sample carries probe_us (a raw file from before the probe)")
-    fastest = {}
+    floors = {}
     for s in samples:
         for h in s["host"]:
-            fastest[s["arm"]] = min(fastest.get(s["arm"], 1e18), *h["probe_us"])
+            for p in h["probe_us"]:
+                floors.setdefault(s["arm"], SpeedFloor()).add(p)
+    fastest = {arm: f.us for arm, f in floors.items()}   # (its last 400, as in the worker)
     out = {"slow": a.slow, "scenarios": {}}
     for name, sc in scen.items():
         mine = [s for s in samples if s["scenario"] == name]
