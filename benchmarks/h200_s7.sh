@@ -168,7 +168,7 @@ pinaa) {
   # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice
   el "vanilla A/A, pinning ${PINNING:-measure}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
-    --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} \
+    --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} --warmup ${WARMUP:-1} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
     ${ENGINE:+--engine "$ENGINE"} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"

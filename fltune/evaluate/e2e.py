@@ -440,7 +440,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     profile sees the kernels) or "multiprocess" (vLLM's default for its users: the engine
     core busy-loops in a child process; :data:`ENGINE_PROCESSES`).
     ``probe_gate``: a timed run counts only while the host runs at speed (its probes within
-    this factor of the worker's fastest; slow runs are taken again: ``e2e_worker.gated_runs``);
+    this factor of the worker's speed floor; slow runs are taken again: ``e2e_worker.gated_runs``);
     default ``FLTUNE_E2E_PROBE_GATE``, else :data:`DEFAULT_PROBE_GATE` on CUDA and off (0)
     on CPU, where the engine computes on the very cores the probe reads and a busy
     2-core machine would retake without end; recorded in the result's ``host``.

@@ -90,7 +90,7 @@ class Worker:
             self.vocab = int(spec.get("vocab_size") or 256)
         self._prompts: dict = {}
         self._steps = None
-        #: the fastest host probe seen here (µs): the gate's reference (:func:`gated_runs`)
+        #: the host probe's speed floor here (:class:`SpeedFloor`): the gate's reference
         self.probe_floor = None
         self.rank_totals: dict = {}
         self._time_steps()
