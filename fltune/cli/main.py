@@ -1024,12 +1024,13 @@ def _add_bench(sub) -> None:
                         "(measure), or not pinned (off)")
     e.add_argument("--time-limit", type=_float_in(0.0, lo_open=True), metavar="SECONDS",
                    help="end within this many seconds, engine starts included: fewer "
-                        "repetitions (at least one) when the next and the kernel profile "
-                        "would not fit (FLTUNE_E2E_TIME_LIMIT; it also reaches `fltune "
-                        "adjudicate`, per instrument run)")
+                        "repetitions when the next and the kernel profile would not fit, "
+                        "none when the engine starts ate the limit (FLTUNE_E2E_TIME_LIMIT; "
+                        "it also reaches `fltune adjudicate`, per instrument run)")
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
                    help="a timed run counts only while a fixed Python loop (the host probe, "
-                        "before and after it) reads within FACTOR of the arm's fastest; slow "
+                        "before and after it) reads within FACTOR of the arm's speed floor "
+                        "(the 10th percentile of its probes); slow "
                         "runs are taken again (default 1.25 on CUDA, 0 = off on CPU; "
                         "FLTUNE_E2E_PROBE_GATE)")
     c.add_argument("--out", help=OUT_HELP + " (with --e2e: a directory for e2e-summary.json, "
