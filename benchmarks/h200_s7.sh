@@ -49,14 +49,15 @@ mkdir -p /tmp/s7
 lim() { local t=${TIMEOUT:-$1}; echo $(( t > 60 ? t - 30 : 0 )); }
 # FlashInfer kernels built elsewhere (PHASE=fibuild/fijit brought them back, or
 # scripts/build-flashinfer-aot.sh cross-compiled them on a CPU machine; kept in the ignored
-# folder .fiaot/, carried, or copied to /tmp/fiaot by an earlier call of this machine):
+# folder .fiaot/, carried, or copied to /tmp/fiaot by an earlier call of this machine; else
+# the copy in the repository, benchmarks/flashinfer-aot/, whose README says what each is):
 # unpacked into FlashInfer's AOT directory, where JitSpec.build_and_load loads a module's .so
 # without building (is_aot), so vLLM's default GDN prefill (FlashInfer on SM90) and its
 # FlashInfer sampler start in seconds instead of minutes of JIT (session 11: the sampler's
 # JIT alone took 130 s of the first engine's start). A triton.tgz beside them (Triton's cache
 # from an earlier machine: the FLA kernels' autotuning, 90 s of that start) goes to
 # TRITON_CACHE_DIR.
-for FA in .fiaot /tmp/fiaot; do
+for FA in .fiaot /tmp/fiaot benchmarks/flashinfer-aot; do
   if ls $FA/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; then
     AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
     [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls $FA/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \

@@ -17,6 +17,7 @@
 #
 #   scripts/build-flashinfer-aot.sh [MODULE ...]     (default: sampling gdn_prefill_sm90)
 #   MAX_JOBS (default: the cores), FIAOT_WORK (default /tmp/fiaot-build)
+# (the sampler includes curand.h: nvidia-curand; versions = what torch 2.11.0+cu130 pins)
 set -euo pipefail
 top=$(git rev-parse --show-toplevel); cd "$top"
 W=${FIAOT_WORK:-/tmp/fiaot-build}
@@ -31,12 +32,22 @@ if [ ! -f "$W/venv/.ready" ]; then
   "$W/venv/bin/pip" install -q "torch==2.13.0"
   "$W/venv/bin/pip" install -q "apache-tvm-ffi==$TVM_FFI" ninja filelock jinja2 packaging numpy \
     "nvidia-cuda-nvcc==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85" \
-    "nvidia-cuda-crt==13.0.88" "nvidia-nvvm==13.0.88"
+    "nvidia-cuda-crt==13.0.88" "nvidia-nvvm==13.0.88" "nvidia-curand==10.4.0.35"
   "$W/venv/bin/pip" download -q --no-deps "flashinfer-python==$FI_VERSION" -d "$W/whl"
   rm -rf "$W/src" && mkdir -p "$W/src" && (cd "$W/src" && python3 -m zipfile -e "$W"/whl/flashinfer_python-*.whl .)
   touch "$W/venv/.ready"
 fi
 CU=$("$W/venv/bin/python" -c "import nvidia, os; print(os.path.join(next(iter(nvidia.__path__)), 'cu13'))")
+# FlashInfer links with -L$CUDA_HOME/lib64 -L.../lib64/stubs -lcudart -lcuda, the layout of a
+# CUDA toolkit install, which the PyPI wheels lack: lib64 -> lib, the unversioned libcudart.so,
+# and a stub libcuda.so (soname libcuda.so.1, no symbols: the modules call the driver through
+# the runtime, and the H200-built sampler needs no libcuda either: `readelf -d`)
+[ -e "$CU/lib64" ] || ln -s lib "$CU/lib64"
+[ -e "$CU/lib/libcudart.so" ] || ln -s libcudart.so.13 "$CU/lib/libcudart.so"
+if [ ! -f "$CU/lib/stubs/libcuda.so" ]; then
+  mkdir -p "$CU/lib/stubs" && echo > "$W/empty.c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$CU/lib/stubs/libcuda.so" "$W/empty.c"
+fi
 export PATH="$CU/bin:$W/venv/bin:$PATH" CUDA_HOME="$CU" CUDA_VISIBLE_DEVICES=
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$W/ws" MAX_JOBS=${MAX_JOBS:-$(nproc)}
 nvcc --version | tail -2
@@ -61,9 +72,15 @@ for name in mods:
     shutil.copy2(spec.jit_library_path, os.path.join(aot, name, f"{name}.so"))
     print(f"{name}: {len(spec.sources)} sources, built in {time.time() - t:.0f} s", flush=True)
 PY
-mkdir -p .fiaot && rm -f .fiaot/fiaot.tgz.part*
+# modules already in .fiaot/ (built earlier, or on the GPU machine by FlashInfer itself) are
+# kept beside the ones built now; a module built now replaces its old copy
+mkdir -p .fiaot
+if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1; then
+  cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$W/aot" --skip-old-files
+fi
+rm -f .fiaot/fiaot.tgz.part*
 (cd "$W/aot" && tar -czf "$W/fiaot.tgz" */*.so)
 split -b 15M -d -a 1 "$W/fiaot.tgz" .fiaot/fiaot.tgz.part
-{ echo "FlashInfer $FI_VERSION AOT modules for sm_90a, built $(date -Is) by scripts/build-flashinfer-aot.sh"
-  nvcc --version | tail -1; (cd "$W/aot" && ls -la */*.so); } > .fiaot/README.txt
+{ echo "FlashInfer $FI_VERSION AOT modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${MODS[*]}"
+  nvcc --version | tail -1; (cd "$W/aot" && ls -la */*.so && sha256sum */*.so); } > .fiaot/README.txt
 log "done: $(ls .fiaot | tr '\n' ' ')"
