@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The one-H200 sessions' script (7, 9, 10): issue 13 (the vLLM IR route, the SGLang bridge),
 # then issues 11 and 12 (linear per range, FlashInfer's JIT, the GDN pick, the wall A/A).
-# Order on a fresh machine (session 10's lesson): stage vLLM, then PHASE=fibuild (FlashInfer's
-# GDN prefill JIT, minutes) before any phase that runs vLLM's default GDN (ENGINE auto,
-# gdnpick), then pinaa, gdnpick; every instrument run ends inside its phase's timeout
-# (FLTUNE_E2E_TIME_LIMIT from `lim` below).
+# Order on a fresh machine: stage vLLM, then gdnpick (vLLM's true GDN default, with the
+# prebuilt FlashInfer modules of benchmarks/flashinfer-aot/ restored below: no JIT; if they
+# fail to load there, PHASE=fibuild builds them on the machine, ~10 min), then pinaa; every
+# instrument run ends inside its phase's timeout (FLTUNE_E2E_TIME_LIMIT from `lim` below).
+# A fresh machine's first engine also autotunes the FLA kernels (~90 s): a carried
+# .fiaot/triton.tgz (Triton's cache from an earlier machine) saves that.
 # vLLM 0.24 staged in /tmp/vsite, SGLang 0.5.17 in /tmp/sgstage (scripts/stage-sglang.sh),
 # .whl carried with a fresh fltune wheel; one phase per device call; state under /tmp/s7
 # (kept while the machine is warm). Every phase packs what it wrote into $OUT/PHASE.tgz
