@@ -515,3 +515,17 @@ def test_serve_says_before_the_start_that_max_autotune_templates_compile():
                  "rms_norm": {"tables": [{"bands": [band("autotune.inductor")]}]}}}
     assert compiled_at_start(m) == 2
     assert compiled_at_start({"ops": {"rms_norm": {}}}) == 0 and compiled_at_start({}) == 0
+    # decided per range for the served model (route 1-512, native 513+, as the shipped H200
+    # DB): a band only a native range meets compiles nothing; another model has no decision
+    wide = {"impl_id": "autotune.inductor", "lo": 513, "hi": 1024}
+    m["ops"]["linear"]["tables"][1]["bands"].append(wide)
+    m["route_decisions"] = [
+        {"model": "M", "op": "linear", "decision": "route", "min_tokens": 1, "max_tokens": 512},
+        {"model": "M", "op": "linear", "decision": "native", "min_tokens": 513,
+         "max_tokens": None},
+        {"model": "M", "op": "rms_norm", "decision": "route"}]
+    assert compiled_at_start(m, "M") == 2 and compiled_at_start(m, "other") == 3
+    m["route_decisions"][0]["max_tokens"] = 600          # a routed range reaching into it
+    assert compiled_at_start(m, "M") == 3
+    m["route_decisions"][0]["decision"] = "native"       # linear native everywhere
+    assert compiled_at_start(m, "M") == 0
