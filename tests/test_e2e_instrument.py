@@ -111,8 +111,9 @@ def test_arm_environment_drops_every_fltune_variable():
     assert env["FLTUNE_DB"] == "a.db" and env["FLTUNE_ROUTE"] == "ops:rms_norm"
 
 
-def test_engine_defaults_and_overrides():
+def test_engine_defaults_and_overrides(monkeypatch):
     q35 = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}
+    monkeypatch.setattr(e2e, "flashinfer_module_prebuilt", lambda name=None: False)
     eng, notes = e2e.default_engine("cuda", q35)
     assert eng["additional_config"] == {"gdn_prefill_backend": "triton"}
     assert eng["limit_mm_per_prompt"] == {"image": 0, "video": 0}
@@ -124,6 +125,43 @@ def test_engine_defaults_and_overrides():
     assert "kv_cache_memory_bytes" not in over
     eng, notes = e2e.default_engine("cuda", {"architectures": ["Qwen3ForCausalLM"]})
     assert "additional_config" not in eng and not notes
+    # FlashInfer's GDN module prebuilt: vLLM's own default, no stand-in
+    monkeypatch.setattr(e2e, "flashinfer_module_prebuilt", lambda name=None: True)
+    eng, notes = e2e.default_engine("cuda", q35)
+    assert "additional_config" not in eng and notes == [e2e.GDN_DEFAULT_NOTE]
+
+
+def test_flashinfer_module_prebuilt_is_found_by_path_in_the_aot_dir_or_the_jit_cache(
+        tmp_path, monkeypatch):
+    """Where FlashInfer would load a module without compiling it: its AOT directory inside
+    the package, or its JIT cache for this FlashInfer version (any arch); found without
+    importing FlashInfer (a fake package here: the real one is not on this machine)."""
+    import importlib.metadata
+    import importlib.util
+    pkg = tmp_path / "site" / "flashinfer"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.6.12")
+    ws = tmp_path / "ws"
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(ws))
+    name = e2e.GDN_PREFILL_MODULE
+    assert e2e.flashinfer_module_prebuilt() is False
+    aot = pkg / "data" / "aot" / name
+    aot.mkdir(parents=True)
+    (aot / f"{name}.so").write_bytes(b"")
+    assert e2e.flashinfer_module_prebuilt() is True
+    assert e2e.flashinfer_module_prebuilt("sampling") is False
+    jit = ws / ".cache" / "flashinfer" / "0.6.11" / "90a" / "cached_ops" / "sampling"
+    jit.mkdir(parents=True)
+    (jit / "sampling.so").write_bytes(b"")
+    assert e2e.flashinfer_module_prebuilt("sampling") is False     # another version's
+    jit2 = ws / ".cache" / "flashinfer" / "0.6.12" / "90a" / "cached_ops" / "sampling"
+    jit2.mkdir(parents=True)
+    (jit2 / "sampling.so").write_bytes(b"")
+    assert e2e.flashinfer_module_prebuilt("sampling") is True
+    assert importlib.util.find_spec("flashinfer") is not None and "flashinfer" not in sys.modules
 
 
 def test_step_estimate_drops_hiccups_and_averages_async_alternation():
