@@ -59,14 +59,22 @@ lim() { local t=${TIMEOUT:-$1}; echo $(( t > 60 ? t - 30 : 0 )); }
 # JIT alone took 130 s of the first engine's start). A triton.tgz beside them (Triton's cache
 # from an earlier machine: the FLA kernels' autotuning, 90 s of that start) goes to
 # TRITON_CACHE_DIR.
-for FA in .fiaot /tmp/fiaot benchmarks/flashinfer-aot; do
-  if ls $FA/fiaot.tgz.part* >/dev/null 2>&1 && [ ! -f /tmp/s7/aot-restored ]; then
-    AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
-    [ -n "$AOT" ] && mkdir -p "$AOT" && cat $(ls $FA/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
-      && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules restored into $AOT: $(ls "$AOT" | tr '\n' ' ')"
-  fi
-  if [ -f $FA/triton.tgz ] && [ ! -d /tmp/s7/triton ]; then
-    tar -xzf $FA/triton.tgz -C /tmp/s7 && echo "Triton cache restored: $(ls /tmp/s7/triton | wc -l) entries"
+# every source is unpacked, the preferred last (a module in .fiaot/ replaces the repository's)
+if [ ! -f /tmp/s7/aot-restored ]; then
+  AOT=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_AOT_DIR)" 2>/dev/null)
+  for FA in benchmarks/flashinfer-aot /tmp/fiaot .fiaot; do
+    if [ -n "$AOT" ] && ls "$FA"/fiaot.tgz.part* >/dev/null 2>&1; then
+      mkdir -p "$AOT" && cat $(ls "$FA"/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
+        && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules from $FA into $AOT"
+    fi
+  done
+  [ -f /tmp/s7/aot-restored ] && echo "FlashInfer AOT modules now: $(cd "$AOT" && ls */*.so | tr '\n' ' ')"
+fi
+# triton.tgz holds a top-level triton/ folder: `tar -czf triton.tgz -C /tmp/s7 triton` on a
+# warm machine (session 11 brought one back so), restored only onto an empty cache
+for FA in /tmp/fiaot .fiaot; do
+  if [ -f "$FA/triton.tgz" ] && [ ! -d /tmp/s7/triton ]; then
+    tar -xzf "$FA/triton.tgz" -C /tmp/s7 triton && echo "Triton cache restored: $(ls /tmp/s7/triton | wc -l) entries"
   fi
 done
 P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*|fibuild) echo Qwen3.5-0.8B;; *) echo Qwen3-0.6B;; esac)}

@@ -7,8 +7,8 @@ loop timed right before and after each run: ``e2e_worker.host_probe_us``) and pr
 
 1. per scenario, the rank correlation between a run's slowness (its time over its arm's
    median for that scenario) and its probe's slowness (the slower of its two probes over
-   that worker's speed floor: the 10th percentile of its probes, as the gate's
-   ``e2e_worker.SpeedFloor``) — near 0: the probe does not see what slows the runs;
+   that worker's speed floor: the gate's own ``floor_us`` where the run was gated, else the
+   10th percentile of its recorded probes, as ``e2e_worker.SpeedFloor``) — near 0: the probe does not see what slows the runs;
 2. the A/A and every other arm's ratio to the baseline as the instrument computes it, then
    with every repetition dropped in which any arm's probe read more than ``--slow`` times
    its worker's floor (all arms of the repetition go, so the pairing holds).
@@ -73,6 +73,12 @@ def main(argv=None):
             for p in h["probe_us"]:
                 floors.setdefault(s["arm"], SpeedFloor()).add(p)
     fastest = {arm: f.us for arm, f in floors.items()}   # (its last 400, as in the worker)
+
+    def floor_of(s):
+        """The floor the worker gated this sample against (its account's ``floor_us``,
+        which also saw the seed and the retaken runs' probes), else the arm's floor from
+        the recorded probes (an ungated run)."""
+        return (s.get("gate") or {}).get("floor_us") or fastest[s["arm"]]
     out = {"slow": a.slow, "scenarios": {}}
     for name, sc in scen.items():
         mine = [s for s in samples if s["scenario"] == name]
@@ -80,13 +86,13 @@ def main(argv=None):
         gated = {}
         for s in mine:
             keep = [run for run, h in zip(s["runs"], s["host"])
-                    if max(h["probe_us"]) <= a.gate * fastest[s["arm"]]]
+                    if max(h["probe_us"]) <= a.gate * floor_of(s)]
             if keep:
                 gated[(s["arm"], s["rep"])] = step_estimate(sc, {"runs": keep})
         med = {arm: statistics.median(v for (x, _), v in t.items() if x == arm)
                for arm in {s["arm"] for s in mine}}
         slowness = [t[(s["arm"], s["rep"])] / med[s["arm"]] for s in mine]
-        probe = [max(max(h["probe_us"]) for h in s["host"]) / fastest[s["arm"]] for s in mine]
+        probe = [max(max(h["probe_us"]) for h in s["host"]) / floor_of(s) for s in mine]
         bad_reps = {s["rep"] for s, p in zip(mine, probe) if p > a.slow}
         reps = sorted({s["rep"] for s in mine})
         row = {"spearman": spearman(slowness, probe), "reps": len(reps),

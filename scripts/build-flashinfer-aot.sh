@@ -52,6 +52,7 @@ export PATH="$CU/bin:$W/venv/bin:$PATH" CUDA_HOME="$CU" CUDA_VISIBLE_DEVICES=
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$W/ws" MAX_JOBS=${MAX_JOBS:-$(nproc)}
 nvcc --version | tail -2
 log "building ${MODS[*]} (MAX_JOBS=$MAX_JOBS)"
+rm -rf "$W/aot" "$W/pack" && mkdir -p "$W/aot" "$W/pack"
 "$W/venv/bin/python" - "$W/src" "$W/aot" "${MODS[@]}" <<'PY'
 import os, shutil, sys, time, types
 src, aot, mods = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -68,7 +69,7 @@ for name in mods:
     spec, t = gens[name](), time.time()
     assert spec.name == name, (spec.name, name)
     spec.build(verbose=False, need_lock=True)
-    os.makedirs(os.path.join(aot, name), exist_ok=True)
+    os.makedirs(os.path.join(aot, name), exist_ok=True)      # this run's modules only
     shutil.copy2(spec.jit_library_path, os.path.join(aot, name, f"{name}.so"))
     print(f"{name}: {len(spec.sources)} sources, built in {time.time() - t:.0f} s", flush=True)
 PY
@@ -76,11 +77,12 @@ PY
 # kept beside the ones built now; a module built now replaces its old copy
 mkdir -p .fiaot
 if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1; then
-  cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$W/aot" --skip-old-files
+  cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$W/pack"
 fi
+cp -r "$W"/aot/* "$W/pack/"
 rm -f .fiaot/fiaot.tgz.part*
-(cd "$W/aot" && tar -czf "$W/fiaot.tgz" */*.so)
+(cd "$W/pack" && tar -czf "$W/fiaot.tgz" */*.so)
 split -b 15M -d -a 1 "$W/fiaot.tgz" .fiaot/fiaot.tgz.part
 { echo "FlashInfer $FI_VERSION AOT modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${MODS[*]}"
-  nvcc --version | tail -1; (cd "$W/aot" && ls -la */*.so && sha256sum */*.so); } > .fiaot/README.txt
+  nvcc --version | tail -1; (cd "$W/pack" && ls -la */*.so && sha256sum */*.so); } > .fiaot/README.txt
 log "done: $(ls .fiaot | tr '\n' ' ')"

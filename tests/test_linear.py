@@ -525,6 +525,8 @@ def test_serve_says_before_the_start_that_max_autotune_templates_compile():
          "max_tokens": None},
         {"model": "M", "op": "rms_norm", "decision": "route"}]
     assert compiled_at_start(m, "M") == 2 and compiled_at_start(m, "other") == 3
+    # FLTUNE_ROUTE=all (or ops:) routes every size: the native range compiles too
+    assert compiled_at_start(m, "M", "all") == 3
     m["route_decisions"][0]["max_tokens"] = 600          # a routed range reaching into it
     assert compiled_at_start(m, "M") == 3
     m["route_decisions"][0]["decision"] = "native"       # linear native everywhere

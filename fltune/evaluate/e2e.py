@@ -153,7 +153,9 @@ def flashinfer_module_prebuilt(name: str = GDN_PREFILL_MODULE) -> bool:
     ``benchmarks/h200_s7.sh`` restores ``benchmarks/flashinfer-aot/``) or in its JIT cache
     (``FLASHINFER_WORKSPACE_BASE`` or ``~``, ``.cache/flashinfer/<version>/<arch>/cached_ops``).
     Found by path, without importing FlashInfer: its import queries the GPU, and this runs
-    in the instrument's parent, which leaves the GPU to its workers."""
+    in the instrument's parent, which leaves the GPU to its workers. Not seen: a
+    ``flashinfer-jit-cache`` package (FlashInfer then loads from that package instead; not
+    on the GPU image), and the cache's arch folder is not matched to the GPU (any arch)."""
     import glob
     import importlib.metadata
     import importlib.util
@@ -491,10 +493,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none; 0 there = none): the
     whole call, engine starts included, should end within it — fewer repetitions than
     ``reps`` are measured when the next one and the kernel profile would not fit
-    (:func:`_reps_fit`), no repetition or scenario block (warm-up included) starts within
-    :data:`TIME_LIMIT_MARGIN_S` of the limit (``cut``: where; a repetition cut midway keeps
-    its finished scenarios, paired, but is not counted in ``reps``), and no kernel-profile
-    round starts past it (``kernel_rounds`` per scenario cut); the result
+    (:func:`_reps_fit`), no scenario block (warm-up included) starts unless one as long as
+    its last ends :data:`TIME_LIMIT_MARGIN_S` before the limit (:func:`_block_fits`;
+    ``cut``: where; a repetition cut midway keeps its finished scenarios, paired, but is not
+    counted in ``reps``, and a run cut so has no kernel profile), and no kernel-profile
+    round starts within the margin (``kernel_rounds`` per scenario cut); the result
     says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
     has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
     its kernel profile and its decision that way).
@@ -663,19 +666,23 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             return host.setdefault("time_limit", {"limit_s": time_limit_s,
                                                   "reps_asked": reps_asked,
                                                   "reps_done": reps_done})
-        def out_of_time() -> bool:
-            """Whether the limit leaves no room to start another (scenario, arm) block:
-            checked before every repetition and scenario, warm-up included, so engine
-            starts that ate the limit (a cold GPU machine's first engine: minutes of Triton
-            autotuning and FlashInfer JIT) end the run with its record, not a kill."""
-            return bool(deadline) and time.monotonic() + TIME_LIMIT_MARGIN_S > deadline
+        block_s: dict = {}      # the last scenario block's duration, per scenario
+
+        def out_of_time(scenario: str | None = None) -> bool:
+            """Whether the limit leaves no room for another scenario block (every arm's runs
+            of one scenario; as long as its last one): checked before each, warm-up
+            included, so engine starts that ate the limit (a cold GPU machine's first
+            engine: minutes of Triton autotuning and FlashInfer JIT) end the run with its
+            record, not a kill."""
+            return bool(deadline) and not _block_fits(time.monotonic(),
+                                                      block_s.get(scenario, 0.0), deadline)
 
         for r in range(warmup + reps):
             measured = r >= warmup
             t_rep = time.monotonic()
             cut = False
             for sc in scenarios:
-                if out_of_time():
+                if out_of_time(sc.name):
                     rec = time_limit_record()
                     rec["cut"] = {"rep": r - warmup if measured else None,
                                   "warmup": not measured, "scenario": sc.name}
@@ -684,6 +691,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     break
                 k = r % len(order_names)
                 order = order_names[k:] + order_names[:k]
+                t_block = time.monotonic()
                 for pos, name in enumerate(order):
                     if name not in procs:
                         continue
@@ -699,6 +707,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         res.pop("ok", None)
                         samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
                                         "position": pos, "time_s": step_estimate(sc, res), **res})
+                block_s[sc.name] = time.monotonic() - t_block
                 progress("rep", rep=r, warmup=not measured, scenario=sc.name)
             if out_dir and measured:
                 # a run cut short (a device call's time limit) keeps what it measured
@@ -718,14 +727,19 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
         # ---- kernel profile -----------------------------------------------------------
         kernels: dict = {}
-        if kernel_profile:
+        if kernel_profile and deadline and ("cut" in host.get("time_limit", {})
+                                            or not samples):
+            # cut by the limit, or nothing timed: a profile round would start inside the
+            # margin, and kernel rounds without wall pairs make no point
+            time_limit_record()["kernel_rounds"] = {sc.name: 0 for sc in scenarios}
+        elif kernel_profile:
             # several profiled rounds, arms alternated like the timed ones: the kernel time
             # per step gets a paired CI of its own (the figure that resolves 1 % on the
             # H200, where the wall time could not)
             for sc in scenarios:
                 for r in range(max(1, kernel_reps)):
-                    if deadline and time.monotonic() > deadline:
-                        # past the limit: no further round, in this scenario or the next
+                    if out_of_time():
+                        # at the limit: no further round, in this scenario or the next
                         time_limit_record().setdefault("kernel_rounds", {})[sc.name] = r
                         break
                     live = list(procs)
@@ -773,6 +787,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
 #: seconds kept free at the end of a time-limited run (stopping the workers, the files)
 TIME_LIMIT_MARGIN_S = 20.0
+
+
+def _block_fits(now: float, block_s: float, deadline: float) -> bool:
+    """Whether one more scenario block as long as ``block_s`` (0: none seen yet) still ends
+    :data:`TIME_LIMIT_MARGIN_S` before ``deadline``."""
+    return now + block_s + TIME_LIMIT_MARGIN_S <= deadline
 
 
 def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,

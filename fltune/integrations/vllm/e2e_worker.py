@@ -374,7 +374,9 @@ class SpeedFloor:
     speed, and the gate's waits cost ~90 s a repetition of 5 scenarios x 3 arms. A low
     quantile sits inside the fast level as long as the host spends a tenth of its time
     there; if it never does, the floor rises to the slow level and the gate lets runs
-    through rather than wait without end (``floor_us`` in the account says which)."""
+    through rather than wait without end (``floor_us`` in the account says which). The
+    readings are the ones around runs (two a run, and the seed), not the gate's waiting
+    probes, so the tenth is a tenth of the runs' time, not of the probes'."""
 
     def __init__(self, readings=()):
         self.readings = collections.deque(readings, maxlen=FLOOR_WINDOW)
@@ -418,26 +420,26 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
     retakes = 2 * inner if retakes is None else retakes
     if not isinstance(floor, SpeedFloor):
         floor = SpeedFloor([] if floor is None else [floor])
-    if gate and floor.us is None:
-        for _ in range(GATE_SEED_PROBES):
+    if gate and len(floor.readings) < GATE_SEED_PROBES:
+        for _ in range(GATE_SEED_PROBES - len(floor.readings)):
             floor.add(probe())
     account = {"factor": gate, "retaken": 0, "waited_s": 0.0, "slow_kept": 0}
     kept = []
 
-    def read():
-        p = probe()
-        floor.add(p)
-        return p
-
     while len(kept) < inner:
-        before = read()
+        before = probe()
         if gate:
+            # the readings taken while waiting for speed do not enter the floor: they are
+            # ~1 ms apart and all slow, and a window of them would carry the floor up to
+            # the slow level within half a second and end the wait it exists for
             t0 = clock()
             while before > gate * floor.us and clock() - t0 < wait_s:
-                before = read()
+                before = probe()
             account["waited_s"] += clock() - t0
+        floor.add(before)
         out = run()
-        after = read()
+        after = probe()
+        floor.add(after)
         slow = bool(gate) and max(before, after) > gate * floor.us
         if slow and account["retaken"] < retakes:
             account["retaken"] += 1

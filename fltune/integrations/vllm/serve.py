@@ -202,7 +202,7 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
             print(f"  linear: lowered to vLLM's GEMM in compile ranges whose bands are all "
                   f"vLLM's path (VLLM_COMPILE + Inductor); native/other band edges for "
                   f"-cc.compile_ranges_endpoints: {edges}", file=out, flush=True)
-        compiled = compiled_at_start(manifest, key)
+        compiled = compiled_at_start(manifest, key, route)
         if compiled:
             print(f"  linear: up to {compiled} band(s) served by Inductor max-autotune GEMM "
                   f"templates (those the routed ranges reach): the first start compiles them "
@@ -213,7 +213,7 @@ def prepare(manifest_or_db_path: str, strict: bool = False,
     return vllm_argv(vllm_args, plan.fingerprint, route) + extra, env, plan
 
 
-def compiled_at_start(manifest: dict, key: Optional[str] = None) -> int:
+def compiled_at_start(manifest: dict, key: Optional[str] = None, route: str = "auto") -> int:
     """How many of the manifest's ``linear`` bands an Inductor max-autotune template serves
     (``autotune.inductor``): each is compiled when vLLM first captures a size in it, so a
     cold start takes minutes (session 9 on the H200: one did not finish in 480 s). Said
@@ -221,9 +221,11 @@ def compiled_at_start(manifest: dict, key: Optional[str] = None) -> int:
     :func:`~fltune.dispatch.manifest.model_key`) has ``linear`` route decisions, only the
     bands that meet a token range decided *route* count: a range decided native is lowered
     back to vLLM's GEMM and compiles no template (the shipped H200 DB: 1-512 route, 513+
-    native). Still an upper bound: the tables are per shape, not per model."""
+    native). Only under the default route ``auto``: ``all`` and ``ops:`` route every size
+    (``Plan.native_ranges``). Still an upper bound: the tables are per shape, not per model."""
     decided = [d for d in manifest.get("route_decisions") or []
-               if key is not None and d.get("model") == key and d.get("op") == "linear"]
+               if route == "auto" and key is not None and d.get("model") == key
+               and d.get("op") == "linear"]
 
     def reached(band: dict) -> bool:
         if not decided:
