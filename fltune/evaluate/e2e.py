@@ -803,7 +803,7 @@ def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
     runs per (arm, scenario) in a repetition: estimated at ``2 / inner`` of a repetition,
     doubled for the profiler's own cost."""
     profile_s = kernel_rounds * rep_s * (2.0 / max(1, inner)) * 2.0
-    return now + rep_s + profile_s + TIME_LIMIT_MARGIN_S <= deadline
+    return _block_fits(now, rep_s + profile_s, deadline)
 
 
 def read_counters(path: str | None):

@@ -392,7 +392,7 @@ class SpeedFloor:
         return r[int(FLOOR_QUANTILE * (len(r) - 1))]
 
 
-def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
+def gated_runs(run, probe, inner: int, gate: float | None, floor: "SpeedFloor | None" = None,
                retakes: int | None = None, wait_s: float = GATE_WAIT_S,
                clock=time.monotonic):
     """``inner`` calls of ``run()``, each between two ``probe()`` readings (µs of a fixed
@@ -400,8 +400,8 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
     floor, account)``.
 
     With ``gate`` (e.g. 1.25), a run counts only if both probes read at most ``gate`` times
-    the worker's speed floor (:class:`SpeedFloor`, kept across calls; a number seeds a new
-    one; seeded with :data:`GATE_SEED_PROBES` probes when empty): before a run the probe is
+    the worker's speed floor (:class:`SpeedFloor`, kept across calls: pass back the one
+    returned; topped up to :data:`GATE_SEED_PROBES` probes when it holds fewer): before a run the probe is
     repeated until it reads fast (at most ``wait_s``), and a run whose probes read slow is
     taken again, at most ``retakes`` times per call (default ``2 * inner``; after that it
     is kept and counted in ``slow_kept``). Why: on the H200 machine the host works at one
@@ -418,8 +418,7 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
     run's probe window is ~0.1 %; the summary's per-arm ``retaken`` shows whether the arms
     were treated alike."""
     retakes = 2 * inner if retakes is None else retakes
-    if not isinstance(floor, SpeedFloor):
-        floor = SpeedFloor([] if floor is None else [floor])
+    floor = SpeedFloor() if floor is None else floor
     if gate and len(floor.readings) < GATE_SEED_PROBES:
         for _ in range(GATE_SEED_PROBES - len(floor.readings)):
             floor.add(probe())
@@ -432,8 +431,8 @@ def gated_runs(run, probe, inner: int, gate: float | None, floor=None,
             # the readings taken while waiting for speed do not enter the floor: they are
             # ~1 ms apart and all slow, and a window of them would carry the floor up to
             # the slow level within half a second and end the wait it exists for
-            t0 = clock()
-            while before > gate * floor.us and clock() - t0 < wait_s:
+            t0, limit = clock(), gate * floor.us     # fixed while waiting (see above)
+            while before > limit and clock() - t0 < wait_s:
                 before = probe()
             account["waited_s"] += clock() - t0
         floor.add(before)
