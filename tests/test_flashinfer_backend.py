@@ -74,7 +74,27 @@ def test_support_rules_decline_what_the_kernels_cannot_take():
     args = get_op("gdn_decode").make_inputs(2, dict(gdn.QWEN35_GDN), torch.float16, "cpu",
                                             torch.Generator().manual_seed(0))
     assert "state dtype" in dec.unsupported(args)           # fp16 state: no kernel
-    args[5] = args[5].to(torch.bfloat16)
+    args[5] = args[5].to(torch.bfloat16)     # bf16 needs the CuTe DSL kernel (next test)
+    why = dec.unsupported(args)
+    assert why is None or "flashinfer.gdn_decode" in why or "CuTe DSL" in why
+
+
+def test_gdn_decode_bf16_state_needs_cute_dsl(monkeypatch):
+    """FlashInfer 0.6.12 runs a bf16 state only through its CuTe DSL kernel; without it the
+    call falls to the float32 legacy path and asserts (every band refused on the H200, s12).
+    The candidate declares that instead, from the installed module's own flag."""
+    import types
+    from fltune.backends import flashinfer as fib
+    dec = _REG.get("gdn_decode", "vendor.flashinfer")
+    args = get_op("gdn_decode").make_inputs(2, dict(gdn.QWEN35_GDN), torch.bfloat16, "cpu",
+                                            torch.Generator().manual_seed(0))
+    fake = types.SimpleNamespace(_GDN_DECODE_BF16_STATE_AVAILABLE=False)
+    monkeypatch.setattr(fib, "_fi", lambda sub: fake)
+    assert "CuTe DSL" in dec.unsupported(args)
+    fake._GDN_DECODE_BF16_STATE_AVAILABLE = True
+    assert dec.unsupported(args) is None
+    args[5] = args[5].to(torch.float32)                     # the legacy path needs no DSL
+    fake._GDN_DECODE_BF16_STATE_AVAILABLE = False
     assert dec.unsupported(args) is None
 
 

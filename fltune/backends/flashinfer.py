@@ -30,7 +30,8 @@ What each declares (``OpImpl.supports``), from the 0.6.12 source:
 - GDN prefill: SM90 (the JIT-compiled C++ kernel; compiled on first use, minutes) or SM10.x
   with head size 128 on CUDA >= 13; ``head_k_dim == head_v_dim``; float32 g/beta/state
   (the adapter converts, as vLLM does). GDN decode: SM90+, a bf16 state with K = V = 128
-  (the bf16 pool kernel) or a float32 state (legacy kernel, K, V >= 128).
+  (the bf16 pool kernel, a CuTe DSL kernel: only where ``nvidia-cutlass-dsl`` imports) or a
+  float32 state (legacy kernel, K, V >= 128).
 
 FlashInfer needs CUDA: on CPU every candidate is unqualified with that reason, and where the
 package is missing, with the import error.
@@ -191,13 +192,31 @@ def _gdn_prefill_supports(*args):
     return None
 
 
+def bf16_state_decode_missing() -> str | None:
+    """Why FlashInfer's bf16-state decode kernel cannot run here, or None. In 0.6.12 it is a
+    CuTe DSL kernel (``flashinfer.gdn_kernels.gdn_decode_bf16_state`` imports ``cutlass``,
+    the ``nvidia-cutlass-dsl`` package); where that import fails, ``gdn_decode`` silently
+    takes its float32 legacy path, which asserts on a bf16 state. On the H200 (session 12)
+    the image had no CuTe DSL, so every band was refused by that assertion: this check
+    makes it an unqualified candidate with the reason instead."""
+    try:
+        mod = _fi("gdn_decode")
+    except Exception as e:                                 # noqa: BLE001
+        return f"flashinfer.gdn_decode does not import: {type(e).__name__}: {e}"
+    if not getattr(mod, "_GDN_DECODE_BF16_STATE_AVAILABLE", True):
+        return ("FlashInfer's bf16-state GDN decode kernel needs CuTe DSL "
+                "(nvidia-cutlass-dsl), which is not installed; its float32 legacy path "
+                "does not take vLLM's bf16 state")
+    return None
+
+
 def _gdn_decode_supports(*args):
     state = args[5]
     _, _, V, K = state.shape
     if state.dtype == torch.bfloat16:
         if K != 128 or V != 128:
             return f"bf16 state with K={K}, V={V}: FlashInfer's bf16 pool kernel needs 128"
-        return None
+        return bf16_state_decode_missing()
     if state.dtype == torch.float32:
         if K < 128 or V < 128 or V % 8:
             return f"float32 state with K={K}, V={V}: the legacy kernel needs K, V >= 128"
