@@ -89,6 +89,9 @@ def test_scenarios_and_arm_specs(tmp_path):
         Scenario("x", "decode", 1, 8, 1)
     assert e2e.parse_arm("vanilla") == Arm("vanilla", {})
     assert e2e.parse_arm("aa=vanilla") == Arm("aa", {})
+    assert e2e.parse_arm("caa=recompiled") == Arm("caa", {"VLLM_DISABLE_COMPILE_CACHE": "1",
+                                                          "TORCHINDUCTOR_FORCE_DISABLE_CACHES":
+                                                          "1"})
     db = str(tmp_path / "x.db")
     assert e2e.parse_arm(f"cal=db:{db}") == Arm("cal", {"FLTUNE_DB": db})
     assert e2e.parse_arm(f"cal=db:{db}:auto").env == {"FLTUNE_DB": db, "FLTUNE_ROUTE": "auto"}

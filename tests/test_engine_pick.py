@@ -318,6 +318,37 @@ def picked(tmp_path_factory):
     return plain, db, doc, calls
 
 
+def test_the_compile_aa_arm_is_vanilla_recompiled_and_its_floor_decides(picked, tmp_path):
+    """compile_aa=True: an arm with vanilla's overlay and every compile cache off; a value
+    whose only effect lies inside that arm's drift is not picked; the floors are stored."""
+    from fltune.evaluate import e2e, engine_pick, model_step
+
+    plain = picked[0]
+    db = tmp_path / "aa.db"
+    db.write_bytes(plain.read_bytes())
+    calls: list = []
+
+    def measure(model, arms, scenarios, **kw):
+        calls.append(arms)
+        k = {"attention_backend=CPU_ATTN": (1.015, 1.02), model_step.COMPILE_AA_ARM: (0.97,
+                                                                                     0.975)}
+        pts = [{**_pt(a.name, s.name, 0.97, 1.05), "kernel_ci_low": k[a.name][0],
+                "kernel_ci_high": k[a.name][1], "kernel_ratio_median": sum(k[a.name]) / 2,
+                "kernel_n": 3} for a in arms if a.name in k for s in scenarios]
+        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
+    doc = engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "attention_backend", ["CPU_ATTN"], device_type="cpu",
+        scenarios=scen, reps=3, warmup=1, command="test", measure=measure, compile_aa=True)
+    (arms,) = calls
+    aa = arms[-1]
+    assert aa.name == model_step.COMPILE_AA_ARM and aa.env == model_step.COMPILE_AA_ENV
+    assert aa.engine == arms[0].engine == {"attention_backend": None}
+    assert doc["decision"] == "default" and "compile A/A" in doc["reason"], doc["reason"]
+    assert doc["evidence"]["compile_aa"]["floors"] == {"decode_b1": pytest.approx(0.03)}
+
+
 def test_adjudication_runs_one_arm_per_value_against_vllms_default_and_stores_it(picked):
     from fltune.dispatch.manifest import model_key
 

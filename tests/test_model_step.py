@@ -217,6 +217,74 @@ def test_a_point_of_a_run_cut_short_decides_nothing():
     assert decide([{**k1, "kernel_n": 3}])[0] == "route"
 
 
+def test_a_compile_aa_widens_the_kernel_floor_where_it_drifted():
+    """Session 12 on the H200: an engine that compiled the model itself (the flashinfer
+    GDN arm, the same kernels as vanilla's default) read 0.972 [0.970, 0.973] in kernel
+    time at decode_b1, a draw of Inductor's autotuning. A compile A/A reading the same
+    sets that scenario's floor to ~3 %: the A/A-like arm is a tie there; a real 1.28x
+    effect still routes; a scenario where the compile A/A held keeps the 1 % floor."""
+    from fltune.evaluate.model_step import KERNEL_FLOOR, decide, kernel_floors
+
+    aa = [{**_kpt("decode_b1", 0.95, 1.05, 0.969, 0.972), "kernel_n": 3},
+          {**_kpt("prefill_2048", 0.9, 1.1, 0.995, 1.001), "kernel_n": 3},
+          {**_kpt("prefill_8192", 0.9, 1.1, 0.90, 0.91), "kernel_n": 1}]   # one round: no floor
+    floors = kernel_floors(aa)
+    assert floors["decode_b1"] == pytest.approx(0.031)
+    assert floors["prefill_2048"] == KERNEL_FLOOR and "prefill_8192" not in floors
+    lottery = [_kpt("decode_b1", 0.95, 1.05, 0.970, 0.973),
+               _kpt("prefill_2048", 0.9, 1.1, 0.995, 1.000)]
+    assert decide(lottery)[0] == "native" and "kernel slower" in decide(lottery)[1]
+    got, reason = decide(lottery, floors)
+    assert got == "native" and reason.startswith("tie") and "floor 3.1% from the compile" \
+        in reason, reason
+    real = [_kpt("decode_b1", 0.95, 1.3, 1.27, 1.29), _kpt("prefill_2048", 0.9, 1.1, 0.995,
+                                                             1.004)]
+    assert decide(real, floors)[0] == "route"
+    # 1.5 % faster at prefill_2048, where the compile A/A held within 1 %: still routes
+    small = [_kpt("prefill_2048", 0.97, 1.05, 1.015, 1.02)]
+    assert decide(small, floors)[0] == "route"
+    # the same 1.5 % at decode_b1, inside that scenario's 3.1 % floor: a tie
+    assert decide([_kpt("decode_b1", 0.97, 1.05, 1.015, 1.02)], floors)[0] == "native"
+
+
+def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_path):
+    """compile_aa=True: one more arm, vanilla with every compile cache off, in the same run;
+    its floors decide and travel with every row's evidence. Off by default on CPU."""
+    import shutil
+
+    from fltune.evaluate import model_step
+
+    db = tmp_path / "aa.db"
+    shutil.copy(cal_db, db)
+    calls: list = []
+
+    def measure(model, arms, scenarios, **kw):
+        calls.append(arms)
+        k = {"only:rms_norm": (1.015, 1.02), "only:silu_and_mul": (1.05, 1.06),
+             model_step.COMPILE_AA_ARM: (0.975, 0.98)}
+        pts = [{**_kpt(s.name, 0.97, 1.05, *k[a.name]), "arm": a.name, "kernel_n": 3}
+               for a in arms if a.name != "vanilla" for s in scenarios]
+        return SimpleNamespace(points=pts, arms_info={})
+
+    doc = model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+                                measure=measure, compile_aa=True)
+    (arms,) = calls
+    assert [a.name for a in arms][-1] == model_step.COMPILE_AA_ARM
+    assert arms[-1].env == model_step.COMPILE_AA_ENV and arms[-1].engine == {}
+    got = {d["op"]: d for d in doc["decisions"]}
+    # 1.5-2 % faster is inside the 2.5 % the compile A/A drifted: a tie; 5 % routes
+    assert got["rms_norm"]["decision"] == "native", got["rms_norm"]["reason"]
+    assert got["silu_and_mul"]["decision"] == "route"
+    ev = got["rms_norm"]["evidence"]["compile_aa"]
+    assert ev["env"] == model_step.COMPILE_AA_ENV and len(ev["points"]) == len(
+        doc["scenarios"])
+    assert all(f == pytest.approx(0.025) for f in ev["floors"].values())
+    calls.clear()
+    model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+                          measure=measure)                    # CPU: off by default
+    assert model_step.COMPILE_AA_ARM not in [a.name for a in calls[0]]
+
+
 def test_tie_reason_names_each_ci():
     from fltune.evaluate.model_step import decide
 

@@ -508,6 +508,11 @@ def cmd_bench_e2e(a) -> int:
     return 0 if doc["points"] else 1
 
 
+def _compile_aa(a):
+    """--compile-aa auto|on|off -> None (the stage decides by device) | True | False."""
+    return {"auto": None, "on": True, "off": False}[getattr(a, "compile_aa", "auto")]
+
+
 def cmd_adjudicate(a) -> int:
     """`fltune adjudicate`: per op the DB would route for the model, one vLLM arm routing it
     alone against vanilla (evaluate/model_step.py); decisions stored in the DB."""
@@ -549,7 +554,8 @@ def cmd_adjudicate(a) -> int:
                                      ops=a.ops.split(",") if a.ops else None,
                                      seamed=SEAMED_OPS | LINEAR_SEAMED, out_dir=a.out,
                                      progress=progress, engine=engine,
-                                     command=command, per_range=per_range)
+                                     command=command, per_range=per_range,
+                                     compile_aa=_compile_aa(a))
 
     doc = _interruptible((run, _measured_only("adjudicate")))
     if a.out:
@@ -612,7 +618,7 @@ def cmd_adjudicate_engine(a) -> int:
             return engine_pick.adjudicate_engine(
                 a.db, a.model, name, values, device_type=dev, scenarios=scenarios,
                 reps=a.reps, warmup=a.warmup, engine=engine, out_dir=out, progress=progress,
-                command=command)
+                command=command, compile_aa=_compile_aa(a))
         try:
             doc = _interruptible((run, _measured_only("adjudicate --engine-choice")))
         except ValueError as e:
@@ -1005,7 +1011,8 @@ def _add_bench(sub) -> None:
                    help="measure vLLM end to end instead: one engine process per arm, arms "
                         "alternated, ratio to vanilla with a 95%% bootstrap CI per scenario")
     e.add_argument("--arm", action="append", metavar="NAME=SPEC",
-                   help="SPEC: vanilla | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
+                   help="SPEC: vanilla | recompiled (vanilla compiled afresh, every compile "
+                        "cache off: a compile A/A) | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
                         "default: vanilla, aa=vanilla, and calibrated=db:DB when --db is given)")
     e.add_argument("--scenarios", help="comma-separated: decode_bB[_oN], prefill_N (default: "
                                        "decode_b1,b16,b64 and prefill_2048,8192 on CUDA)")
@@ -1079,6 +1086,12 @@ def _add_verify(sub) -> None:
                         "offers on this vLLM and device for the model; measure nothing")
     c.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets "
                                     "(vanilla too), over the instrument's defaults")
+    c.add_argument("--compile-aa", choices=["auto", "on", "off"], default="auto",
+                   help="add an arm that is vanilla vLLM compiled afresh (every compile "
+                        "cache off): its kernel-time CI against vanilla, one draw of "
+                        "Inductor's autotuning, widens the 1%% kernel floor per scenario "
+                        "(an arm that differs from vanilla compiles the model itself). "
+                        "auto: on CUDA")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_adjudicate)

@@ -884,7 +884,8 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
 
 
 def parse_arm(text: str) -> Arm:
-    """``NAME=SPEC``: ``vanilla`` | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
+    """``NAME=SPEC``: ``vanilla`` | ``recompiled`` (vanilla compiled afresh, every compile
+    cache off: ``model_step``'s compile A/A) | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
     name, eq, spec = text.partition("=")
     if not eq:
         name, spec = text, text
@@ -892,9 +893,12 @@ def parse_arm(text: str) -> Arm:
         raise ValueError(f"arm {text!r}: expected NAME=SPEC")
     if spec == "vanilla":
         return Arm(name, {})
+    if spec == "recompiled":
+        from .model_step import COMPILE_AA_ENV
+        return Arm(name, dict(COMPILE_AA_ENV))
     kind, _, rest = spec.partition(":")
     if kind not in ("db", "manifest") or not rest:
-        raise ValueError(f"arm {text!r}: SPEC is vanilla, db:PATH[:ROUTE] or "
+        raise ValueError(f"arm {text!r}: SPEC is vanilla, recompiled, db:PATH[:ROUTE] or "
                          f"manifest:PATH[:ROUTE]")
     path, route = rest, None
     if ":ops:" in rest:     # ROUTE may itself hold a colon: ops:a,b

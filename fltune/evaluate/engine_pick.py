@@ -380,13 +380,14 @@ def available(choice: str, model: str, device_type: Optional[str] = None) -> Lis
 
 # ---- the decision --------------------------------------------------------------------------
 
-def judge(per_value: dict) -> tuple:
+def judge(per_value: dict, floors: Optional[dict] = None) -> tuple:
     """(decision, value, reason, verdicts) from ``per_value``: value -> its arm's e2e
     points. Each value is judged by ``model_step.decide`` (verdicts: value -> (decision,
     reason)); among those it would route ('faster somewhere, slower nowhere'), the one
     with the highest geometric mean of ratio medians (kernel-time ratios where every point
-    has one, else wall-time) is picked; none -> ('default', ``auto``)."""
-    verdicts = {v: decide(pts) for v, pts in per_value.items()}
+    has one, else wall-time) is picked; none -> ('default', ``auto``). ``floors``: the
+    compile A/A's kernel floors per scenario (``model_step.kernel_floors``)."""
+    verdicts = {v: decide(pts, floors) for v, pts in per_value.items()}
     passing = [v for v, (d, _) in verdicts.items() if d == "route"]
 
     def gmean(v):
@@ -417,7 +418,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                       kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
                       progress: Optional[Callable] = None,
                       measure: Optional[Callable] = None, command: Optional[str] = None,
-                      listing: Optional[Listing] = None) -> dict:
+                      listing: Optional[Listing] = None,
+                      compile_aa: Optional[bool] = None) -> dict:
     """Measure ``choice``'s values for ``model`` on this machine and store the pick in the
     DB ``db_path`` (which must exist; this machine's device row is added if missing).
 
@@ -425,8 +427,11 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     ``auto`` among them is dropped (it is the baseline). One e2e arm per value, its
     ``Arm.engine`` the choice's overlay, against the baseline arm ``vanilla`` (the overlay of
     ``auto``). ``engine``: engine arguments every arm gets (as ``run_e2e``'s). ``measure``
-    is :func:`fltune.evaluate.e2e.run_e2e` by default (tests inject recorded points). Returns
-    the document written (one transaction)."""
+    is :func:`fltune.evaluate.e2e.run_e2e` by default (tests inject recorded points).
+    ``compile_aa`` adds ``model_step``'s compile A/A arm (None: on CUDA): every value's arm
+    compiles the model itself (its config hash differs from vanilla's), so one draw of
+    Inductor's autotuning sets the kernel floor. Returns the document written (one
+    transaction)."""
     import os
 
     import torch
@@ -459,14 +464,20 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     if scenarios is None:
         scenarios = e2e.default_scenarios(device_type)
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
+    if compile_aa is None:
+        compile_aa = model_step.compile_aa_default(device_type)
     arms = [e2e.Arm(BASELINE_ARM, {}, ch.overlay(DEFAULT))] + [
-        e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values]
+        e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values] + (
+        [e2e.Arm(model_step.COMPILE_AA_ARM, dict(model_step.COMPILE_AA_ENV),
+                 ch.overlay(DEFAULT))] if compile_aa else [])
     result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline=BASELINE_ARM,
                      engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
                      progress=progress)
     got = getattr(result, "points", result)
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
-    decision, value, reason, verdicts = judge(per_value)
+    aa_points = [p for p in got if p.get("arm") == model_step.COMPILE_AA_ARM]
+    floors = model_step.kernel_floors(aa_points)
+    decision, value, reason, verdicts = judge(per_value, floors)
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
     scen = [_scenario_json(s) for s in scenarios]
@@ -487,6 +498,9 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                 "warmup": warmup, "engine": engine, "command": command,
                 # the per-value rule is model_step's, whichever version it is now
                 "value_rule": model_step.RULE,
+                "compile_aa": ({"arm": model_step.COMPILE_AA_ARM,
+                                "env": model_step.COMPILE_AA_ENV, "points": aa_points,
+                                "floors": floors} if compile_aa else None),
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
     me = devmod.current(device_type)
     stack = devmod.stack()

