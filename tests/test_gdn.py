@@ -225,6 +225,17 @@ def test_qwen35_workload_gdn_dims_and_tp():
     assert not _gdn_items(derive("Qwen3-0.6B", device="cuda"))
 
 
+def test_gdn_decode_bands_stop_at_vllms_largest_decode_batch():
+    """A gdn_decode call takes one token per sequence, and vLLM's defaults cap a step at
+    1024 sequences; on the H200 the 4096-sequence band crashed every kernel. The prefill
+    has no such cap (its tokens are the step's)."""
+    from fltune.tune.workload import GDN_DECODE_MAX_SEQS
+
+    w = {i.op: i for i in derive("Qwen3.5-0.8B", device="cuda").items}
+    assert w["gdn_decode"].max_tokens == GDN_DECODE_MAX_SEQS == 1024
+    assert w["gdn_chunk_prefill"].max_tokens is None
+
+
 def test_gdn_is_opt_in_on_cpu():
     w = derive("Qwen3.5-0.8B", device="cpu")
     assert not _gdn_items(w)

@@ -241,7 +241,8 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
                    head_v_dim=lin_dim)
         add("gdn_chunk_prefill", n_lin, "gated delta net prefill (chunk_gated_delta_rule)",
             seqs=1, **gdn)
-        add("gdn_decode", n_lin, "gated delta net decode (packed recurrent step)", **gdn)
+        add("gdn_decode", n_lin, "gated delta net decode (packed recurrent step)",
+            max_tokens=GDN_DECODE_MAX_SEQS, **gdn)
         # linear layers (vLLM qwen3_next.py / qwen3_5.py, layers/mamba/gdn/
         # qwen_gdn_linear_attn.py): column-parallel layers shard N, row-parallel ones K
         gate = 2 if text.get("attn_output_gate", True) else 1
@@ -293,6 +294,14 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
     later = OPT_IN.get(device or _default_device(), frozenset())
     return Workload(model=src, tp=tp, dtype=dt, items=[i for i in items if i.op not in later],
                     opt_in=[i for i in items if i.op in later])
+
+
+#: the most sequences one decode step of vLLM 0.24 carries by its defaults
+#: (``max_num_seqs``: 1024 for the OpenAI server on a large GPU, 256 for ``LLM``): a
+#: ``gdn_decode`` call takes one token per sequence, so its bands stop there. On the H200
+#: (session 12) the 4096-sequence band made every kernel raise a CUDA "invalid argument"
+#: and the 8192 one needed 81 GiB: measured at sizes no step of vLLM reaches.
+GDN_DECODE_MAX_SEQS = 1024
 
 
 def _add_linear(add, layers_) -> None:
