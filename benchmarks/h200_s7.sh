@@ -37,6 +37,8 @@
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
+#   (session 12: CAA=1, the default, adds `caa=recompiled`, vanilla compiled afresh with every
+#    compile cache off: the compile A/A that the aa arms, sharing vanilla's compile, cannot be)
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -179,7 +181,8 @@ pinaa) {
   # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice
   el "vanilla A/A, pinning ${PINNING:-measure}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
-    --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla --reps ${REPS:-10} --warmup ${WARMUP:-1} \
+    --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla $([ "${CAA:-1}" = 1 ] && echo --arm caa=recompiled) \
+    --reps ${REPS:-10} --warmup ${WARMUP:-1} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-measure} \
     ${ENGINE:+--engine "$ENGINE"} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
