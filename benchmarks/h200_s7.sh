@@ -37,8 +37,6 @@
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
-#   (session 12: CAA=1, the default, adds `caa=recompiled`, vanilla compiled afresh with every
-#    compile cache off: the compile A/A that the aa arms, sharing vanilla's compile, cannot be)
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -178,7 +176,10 @@ PY
 pinaa) {
   # issue 11: does moving the measured arm onto the fastest few cores (and parking the rest)
   # close the wall-time A/A? Same arms and scenarios as linbench's noise arms, PINNING=measure
-  # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice
+  # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice, and
+  # (CAA=1, the default since session 12) caa=recompiled: vanilla compiled afresh with every
+  # compile cache off, the compile A/A that aa and aa2 (sharing vanilla's compile) cannot be;
+  # its cold compile costs the call ~30-45 s more
   el "vanilla A/A, pinning ${PINNING:-measure}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \
     --arm vanilla=vanilla --arm aa=vanilla --arm aa2=vanilla $([ "${CAA:-1}" = 1 ] && echo --arm caa=recompiled) \

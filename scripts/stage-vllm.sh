@@ -72,4 +72,6 @@ du -sh .ve[0-9]* | tr '\n' ' '; echo
 echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
 echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named:"
 python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
-echo "VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && cat \$(ls vpart* | sort) > \$(cat VLLM_WHEEL) && rm vpart* && for p in \$(ls *.whl.part000 2>/dev/null); do b=\${p%.part000}; cat \$(ls \$b.part* | sort) > \$b && rm \$b.part*; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )"
+# (the joins run only where parts are left, so a second try after a failed pip install does
+# not truncate the joined wheel; a failed join stops the install)
+echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && if ls vpart* >/dev/null 2>&1; then cat $(ls vpart* | sort) > $(cat VLLM_WHEEL) && rm vpart* || exit 1; fi && for p in $(ls *.whl.part000 2>/dev/null); do b=${p%.part000}; cat $(ls $b.part* | sort) > $b && rm $b.part* || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'

@@ -427,7 +427,7 @@ def check_invocation(inv, good_db, rand_bytes=b"\x00garbage"):
     return rc
 
 
-@settings(max_examples=int(os.environ.get("FLTUNE_CLI_EXAMPLES", 150)), deadline=None,
+@settings(max_examples=int(os.environ.get("FLTUNE_CLI_EXAMPLES", 80)), deadline=None,
           database=None, suppress_health_check=[HealthCheck.too_slow,
                                                 HealthCheck.function_scoped_fixture])
 @given(inv=invocation(), rand_bytes=st.binary(min_size=1, max_size=2048))

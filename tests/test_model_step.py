@@ -195,7 +195,7 @@ def _kpt(scn, lo, hi, klo, khi):
 def test_rule_2_decides_by_kernel_time_with_a_floor(points, decision, word):
     from fltune.evaluate.model_step import RULE, decide
 
-    assert RULE == "model-step/2"
+    assert RULE == "model-step/4"
     got, reason = decide(points)
     assert got == decision and word in reason, reason
 
@@ -275,10 +275,27 @@ def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_
     # 1.5-2 % faster is inside the 2.5 % the compile A/A drifted: a tie; 5 % routes
     assert got["rms_norm"]["decision"] == "native", got["rms_norm"]["reason"]
     assert got["silu_and_mul"]["decision"] == "route"
-    ev = got["rms_norm"]["evidence"]["compile_aa"]
+    ev = doc["compile_aa"]
     assert ev["env"] == model_step.COMPILE_AA_ENV and len(ev["points"]) == len(
         doc["scenarios"])
-    assert all(f == pytest.approx(0.025) for f in ev["floors"].values())
+    assert all(f == pytest.approx(0.025) for f in ev["floors"].values()) and not ev["missing"]
+    assert got["rms_norm"]["evidence"]["compile_aa"]["floors"] == ev["floors"]
+    # the compile A/A's points are its own: no op's evidence carries them
+    assert all(p["arm"] == "only:" + op for op, d in got.items()
+               for p in d["evidence"]["points"])
+    assert "each scenario's floor" in got["rms_norm"]["reason"]
+    # a compile A/A that gave nothing leaves the 1 % floor, and says so
+    calls.clear()
+
+    def no_aa(model, arms, scenarios, **kw):
+        r = measure(model, arms, scenarios, **kw)
+        r.points = [p for p in r.points if p["arm"] != model_step.COMPILE_AA_ARM]
+        r.arms_info = {model_step.COMPILE_AA_ARM: {"error": "engine died"}}
+        return r
+    doc2 = model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
+                                 measure=no_aa, compile_aa=True)
+    assert any("no kernel floor" in w and "engine died" in w for w in doc2["warnings"])
+    assert {d["op"]: d["decision"] for d in doc2["decisions"]}["rms_norm"] == "route"
     calls.clear()
     model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
                           measure=measure)                    # CPU: off by default

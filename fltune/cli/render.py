@@ -656,7 +656,7 @@ def render_e2e(doc: dict, console=None) -> None:
         if a.get("routed_calls"):
             bits.append("routed calls " + ", ".join(f"{k} {v}" for k, v in
                                                     sorted(a["routed_calls"].items())))
-        elif a.get("env"):
+        elif any(str(k).startswith("FLTUNE_") for k in (a.get("env") or {})):
             bits.append("routed nothing")
         if a.get("error"):
             bits.append(f"[red]failed: {escape(str(a['error']))}[/]")

@@ -300,7 +300,10 @@ def run_bench(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
     copy_mib = settings.copy_mib or DEFAULT_COPY_MIB.get(settings.device, 256)
     copies = [copy_bandwidth(settings.device, copy_mib, reps=settings.reps,
                              budget_s=settings.budget_s, graph_calls=settings.graph_calls)]
-    tasks = [(it, b) for it in workload.items for b in band_list]
+    # an item capped below the top band (the LM head, gdn_decode's sequences) is not served
+    # there, as calibrate leaves those bands out
+    tasks = [(it, b) for it in workload.items for b in band_list
+             if it.max_tokens is None or b.lo <= it.max_tokens]
     if progress:
         progress("start", total=len(tasks))
     records = []

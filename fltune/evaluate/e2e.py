@@ -593,7 +593,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             if cores:
                 add.setdefault("OMP_NUM_THREADS",
                                str(len(pin.measure) if pin.mode == "measure" else len(cores)))
-            if arm.env and "FLTUNE_COUNTERS_FILE" not in arm.env:
+            if any(k.startswith("FLTUNE_") for k in arm.env) \
+                    and "FLTUNE_COUNTERS_FILE" not in arm.env:
                 # tensor parallelism: each rank is its own process with its own counters
                 add["FLTUNE_COUNTERS_FILE"] = os.path.join(
                     work, f"counters-{arm.name}" + ("-{pid}" if tp > 1 else "") + ".json")

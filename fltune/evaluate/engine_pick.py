@@ -477,6 +477,11 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
     aa_points = [p for p in got if p.get("arm") == model_step.COMPILE_AA_ARM]
     floors = model_step.kernel_floors(aa_points)
+    info0 = getattr(result, "arms_info", None) or {}
+    gaps = (model_step.floors_missing(aa_points, floors, scenarios,
+                                      info0.get(model_step.COMPILE_AA_ARM)
+                                      if isinstance(info0, dict) else None)
+            if compile_aa else [])
     decision, value, reason, verdicts = judge(per_value, floors)
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
@@ -500,7 +505,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                 "value_rule": model_step.RULE,
                 "compile_aa": ({"arm": model_step.COMPILE_AA_ARM,
                                 "env": model_step.COMPILE_AA_ENV, "points": aa_points,
-                                "floors": floors} if compile_aa else None),
+                                "floors": floors, "missing": gaps} if compile_aa else None),
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
     me = devmod.current(device_type)
     stack = devmod.stack()
@@ -519,7 +524,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
             "model": src, "model_key": key, "rule": RULE, "choice": choice,
             "values": values, "decision": decision, "value": value, "reason": reason,
             "scenarios": scen, "reps": reps, "warmup": warmup, "command": command,
-            "evidence": evidence}
+            "warnings": gaps, "evidence": evidence}
 
 
 def _seen(arm_info) -> Optional[dict]:

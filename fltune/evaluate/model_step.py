@@ -13,7 +13,9 @@ given, only those a vLLM seam calls). For each, one arm that routes that op alon
 :func:`fltune.evaluate.e2e.run_e2e` call (one vanilla worker shared, arms interleaved).
 An op whose picks are all native gets a ``native`` row without a run.
 
-The rule, :data:`RULE` = ``model-step/2``, per op on its arm's points (one per scenario;
+The rule, :data:`RULE` = ``model-step/4`` (``/2`` with the compile A/A's floors below;
+``model-step/3`` names the plugin's rule for models without decisions,
+``integrations/vllm/config.ROUTE_RULE``), per op on its arm's points (one per scenario;
 ratio = vanilla time / arm time, with a 95 % paired bootstrap CI; the same for the GPU
 kernel time per step where the profiler ran: ``kernel_ci_low`` / ``kernel_ci_high``).
 
@@ -87,7 +89,7 @@ from ..store import device as devmod
 from ..store.device import resolve_device
 from ..tune.workload import derive, load_config
 
-RULE = "model-step/2"
+RULE = "model-step/4"
 #: the wall-only rule's tolerance on kernel totals without a CI (rule /1, CPU-free points)
 KERNEL_TOLERANCE = 0.02
 #: the least kernel-time effect that counts: two vanilla processes differed by up to 0.9 %
@@ -180,6 +182,21 @@ def compile_aa_default(device_type: str) -> bool:
     return device_type == "cuda"
 
 
+def floors_missing(aa_points: list, floors: dict, scenarios, arm_info=None) -> list:
+    """Warnings for the scenarios a compile A/A that was asked for set no floor in (its arm
+    did not start, or gave no usable kernel CI there): they keep :data:`KERNEL_FLOOR`, which
+    the compile lottery can exceed, and the reader must know."""
+    names = [s["name"] if isinstance(s, dict) else s.name for s in scenarios]
+    missing = [n for n in names if n not in floors]
+    if not missing:
+        return []
+    err = (arm_info or {}).get("error") if isinstance(arm_info, dict) else None
+    why = (f"its arm failed: {err}" if err else "no point" if not aa_points
+           else "no kernel CI of 2+ profiled rounds")
+    return [f"compile A/A: no kernel floor for {', '.join(missing)} ({why}); those "
+            f"scenarios keep the {KERNEL_FLOOR:.0%} floor, which a fresh compile can exceed"]
+
+
 def kernel_floors(aa_points: list) -> dict:
     """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
     CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
@@ -254,19 +271,21 @@ def _decide_by_kernel(pts: list, ci, floors: dict) -> tuple:
 
     k_faster = [p for p in pts if p["kernel_ci_low"] > 1.0 + floor(p)]
     k_slower = [p for p in pts if p["kernel_ci_high"] < 1.0 - floor(p)]
+    the_floor = (f"the {KERNEL_FLOOR:.0%} floor" if all(floor(p) <= KERNEL_FLOOR for p in pts)
+                 else "each scenario's floor")
     w_slower = [p for p in pts if p["ci_high"] < 1.0]
     if k_faster and k_slower:
         return "native", ("mixed: kernel time faster at " + ", ".join(map(kci, k_faster))
                           + "; slower at " + ", ".join(map(kci, k_slower)))
     if k_slower:
-        return "native", (f"kernel slower (beyond the {KERNEL_FLOOR:.0%} floor): "
+        return "native", (f"kernel slower (beyond {the_floor}): "
                           + ", ".join(map(kci, k_slower)))
     if w_slower:
         return "native", "slower: " + ", ".join(map(ci, w_slower)) + " below 1.00"
     if k_faster:
-        return "route", ("faster: " + ", ".join(map(kci, k_faster)) + f" above 1 + "
-                         f"{KERNEL_FLOOR:.0%}; never measurably slower")
-    return "native", (f"tie: no kernel effect beyond the {KERNEL_FLOOR:.0%} floor ("
+        return "route", ("faster: " + ", ".join(map(kci, k_faster)) + f" beyond "
+                         f"{the_floor}; never measurably slower")
+    return "native", (f"tie: no kernel effect beyond {the_floor} ("
                       + ", ".join(map(kci, pts)) + ")")
 
 
@@ -350,8 +369,15 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     edges = (None if not per_range else BANDS if per_range == BANDS
              else sorted(set(per_range)))
     floors = kernel_floors(aa_points)
-    compile_evidence = ({"arm": COMPILE_AA_ARM, "env": COMPILE_AA_ENV, "points": aa_points,
-                         "floors": floors} if compile_aa and to_measure else None)
+    compile_evidence = row_compile = None
+    if compile_aa and to_measure:
+        aa_info = (getattr(result, "arms_info", None) or {}).get(COMPILE_AA_ARM)
+        gaps = floors_missing(aa_points, floors, scenarios, aa_info)
+        warnings = list(warnings) + gaps
+        compile_evidence = {"arm": COMPILE_AA_ARM, "env": COMPILE_AA_ENV, "points": aa_points,
+                            "floors": floors, "missing": gaps}
+        # every row keeps the floors it was decided with; the points once, in the document
+        row_compile = {"arm": COMPILE_AA_ARM, "floors": floors, "missing": gaps}
     for op in sorted(set(to_measure) | set(all_native)):
         base = {"device_key": dev["device_key"], "driver": dev["driver"],
                 "stack_key": stack_key, "model": key, "model_name": src, "op": op,
@@ -370,7 +396,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                     "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
                     "warmup": warmup, "routed_impls": to_measure[op],
                     "arm": arm_name(op), "command": command, "model": src,
-                    "compile_aa": compile_evidence,
+                    "compile_aa": row_compile,
                     "effective_routes": (arm.get("counters") or {}).get(
                         "effective_routes") if isinstance(arm, dict) else None}
         if edges is None:
