@@ -37,6 +37,8 @@
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
+#   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
+#                then adjudicated per token range with the call's remaining time
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -202,7 +204,7 @@ fijit) {
   # issue 12.2: the GDN race with FlashInfer's prefill kernel now compiled, into PHASE=linrange's
   # DB (session 9's lin.db: linear + the shipped ops), with what is left of the call's time
   DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s9/linrange/lin.db $DB
+  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB   # the shipped DB (session 12 on)
   left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
   el "calibrate the GDN ops ($left s left)"
   [ $left -gt 60 ] && timeout $left python3 -m fltune calibrate --model Qwen3.5-0.8B --db $DB \
@@ -233,7 +235,7 @@ gdnpick) {
   # step (triton = FLA, flashinfer = vLLM's default on SM90) against vanilla (`auto`, its true
   # default, now that FlashInfer's JIT is built: PHASE=fijit first, or a carried .fiaot/)
   DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s9/linrange/lin.db $DB
+  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB   # the shipped DB (session 12 on)
   el "engine pick ${CHOICE:-gdn_prefill_backend=triton,flashinfer}, pinning ${PINNING:-measure}"
   FLTUNE_E2E_PINNING=${PINNING:-measure} FLTUNE_E2E_TIME_LIMIT=$(lim 450) \
     timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
@@ -242,6 +244,31 @@ gdnpick) {
     --out "$W/adj" --json > "$W/pick.json"; echo "adjudicate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/engine-wide/,$p' | head -30
   [ -f "$W/adj/e2e-raw.json" ] && python3 benchmarks/probe_check.py "$W/adj/e2e-raw.json" | tee "$W/probe-check.txt"
+  cp $DB "$W/"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W"/*/model
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+q06) {
+  # issues 11 / 12 (the shipped DB's goal): Qwen3-0.6B's GEMMs calibrated into the shipped
+  # DB's copy (one max-autotune compile per shape, as session 6 did for Qwen3.5: 440 s cold
+  # there for 7 shapes), then decided per token range by model step (--compile-aa: on CUDA by
+  # default) with what is left of the call; then PHASE=gdnpick with P=Qwen3-0.6B
+  # CHOICE=attention_backend=TRITON_ATTN for its engine pick
+  DB=/tmp/s7/lin.db
+  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  el "calibrate $P linear (FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1})"
+  FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1} timeout ${CAL_S:-330} python3 -m fltune calibrate \
+    --model "$P" --ops linear --max-tokens ${MAXTOK:-8192} --candidate-timeout 300 --db $DB \
+    --quiet --json > "$W/calibrate-linear.json"; echo "calibrate rc=$?"
+  python3 -m fltune report --db $DB --op linear --wide 2>&1 | head -70
+  left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
+  el "adjudicate linear per range ($left s left)"
+  [ $left -gt 150 ] && FLTUNE_E2E_TIME_LIMIT=$(( left - 40 )) timeout $(( left - 10 )) \
+    python3 -m fltune adjudicate --db $DB --model "$P" --ops linear --per-range \
+    --reps ${REPS:-10} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
+    --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
+  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
   cp $DB "$W/"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W"/*/model
