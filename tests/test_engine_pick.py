@@ -343,7 +343,7 @@ def test_the_compile_aa_arm_is_vanilla_recompiled_and_its_floor_decides(picked, 
         scenarios=scen, reps=3, warmup=1, command="test", measure=measure, compile_aa=True)
     (arms,) = calls
     aa = arms[-1]
-    assert aa.name == model_step.COMPILE_AA_ARM and aa.env == model_step.COMPILE_AA_ENV
+    assert aa.name == model_step.COMPILE_AA_ARM and aa.env == e2e.COMPILE_AA_ENV
     assert aa.engine == arms[0].engine == {"attention_backend": None}
     assert doc["decision"] == "default" and "compile A/A" in doc["reason"], doc["reason"]
     assert doc["evidence"]["compile_aa"]["floors"] == {"decode_b1": pytest.approx(0.03)}

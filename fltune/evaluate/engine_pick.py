@@ -468,7 +468,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
         compile_aa = model_step.compile_aa_default(device_type)
     arms = [e2e.Arm(BASELINE_ARM, {}, ch.overlay(DEFAULT))] + [
         e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values] + (
-        [e2e.Arm(model_step.COMPILE_AA_ARM, dict(model_step.COMPILE_AA_ENV),
+        [e2e.Arm(model_step.COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV),
                  ch.overlay(DEFAULT))] if compile_aa else [])
     result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline=BASELINE_ARM,
                      engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
@@ -504,7 +504,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                 # the per-value rule is model_step's, whichever version it is now
                 "value_rule": model_step.RULE,
                 "compile_aa": ({"arm": model_step.COMPILE_AA_ARM,
-                                "env": model_step.COMPILE_AA_ENV, "points": aa_points,
+                                "env": e2e.COMPILE_AA_ENV, "points": aa_points,
                                 "floors": floors, "missing": gaps} if compile_aa else None),
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
     me = devmod.current(device_type)

