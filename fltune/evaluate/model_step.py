@@ -36,10 +36,12 @@ a floor, :data:`KERNEL_FLOOR` (1 %), that a kernel effect must clear:
 **The compile A/A** (``compile_aa``, on by default on CUDA). Each arm whose engine config
 differs from vanilla's (a routed op, an engine-wide setting) gets its own vLLM compile-cache
 hash, so its process compiles the model afresh, and Inductor's autotuning draws its kernel
-configs again. On the H200 (session 12, ``benchmarks/results/h200-2026-12-01-s12``) such a
-draw made one fused reduction 2-2.4x slower than vanilla's (32.5 vs 64.6 / 79.2 µs per
-step) and a same-kernel engine read 2.8 % slower at batch-1 decode, while vanilla A/A arms,
-which share vanilla's compiled artifacts, read 0.5 %. So an extra arm,
+configs again. On the H200 (session 12, ``benchmarks/results/h200-2026-12-01-s12``) three
+compiles of vanilla drew one fused kernel at 27.6-32.6 µs per step, another fused reduction
+ran 2-2.4x slower in two engines of other settings than in every vanilla compile (a rarer
+draw or the setting reaching the graph: not settled), and an engine running vanilla's own
+GDN kernels read 2.8 % slower at batch-1 decode, while vanilla A/A arms, which share
+vanilla's compiled artifacts, read 0.5 %. So an extra arm,
 :data:`COMPILE_AA_ARM`, is vanilla compiled in its own process with every compile cache off
 (``e2e.COMPILE_AA_ENV``); its kernel CI against vanilla, per scenario, is one draw of that
 lottery, and :func:`kernel_floors` widens the floor to it: an effect must clear
