@@ -448,6 +448,9 @@ def check_invocation(inv, good_db, rand_bytes=b"\x00garbage"):
 @example(inv=(["calibrate", "--model", "tiny-qwen3", "--db", "new.db", "--max-tokens", "1",
                "--ops", "mrope", "--budget", "0.001", "--no-isolate"],
               [["--ops"]], [], ["new.db"], None), rand_bytes=b"x")
+# verify --ops naming an op the DB never calibrated read "ok: 0 bands re-measured" (CI, s12)
+@example(inv=(["verify", "--db", GOOD, "--ops", "mrope", "--reps", "0", "--budget", "0.001",
+               "--quiet"], [["--ops", "mrope"]], [], [], None), rand_bytes=b"\x00")
 # a model config that is not UTF-8: UnicodeDecodeError
 @example(inv=(["calibrate", "--model", CFG_BYTES, "--db", "new.db", "--max-tokens", "1",
                "--ops", "silu_and_mul", "--budget", "0.001", "--no-isolate"],

@@ -29,7 +29,7 @@ import time
 from typing import Callable, Optional
 
 from ..ops import dtype_from_name
-from ..store import CalibrationDB
+from ..store import CalibrationDB, DBError
 from ..store import device as devmod
 from ..store.device import device_row_for_this_machine
 from ..store.hints import calibrate_command
@@ -59,6 +59,15 @@ def run_verify(db_path: str, *, device: Optional[str] = None, ops: Optional[list
         row, me, notes = device_row_for_this_machine(db, device)
         winners = db.winners(row["device_key"], row["driver"])
         if ops:
+            have = sorted({w["op"] for w in winners})
+            missing = [o for o in ops if o not in have]
+            if missing:
+                # "ok: 0 bands re-measured" would read as a pass for an op never calibrated
+                raise DBError(f"--ops {', '.join(missing)}: {db_path} holds no winner for "
+                              f"{'it' if len(missing) == 1 else 'them'} on {row['name']} "
+                              f"[{row['device_key'][:16]}]; ops in it: "
+                              f"{', '.join(have) or 'none'} (calibrate the op first, or "
+                              f"leave it out of --ops)")
             winners = [w for w in winners if w["op"] in ops]
         meas = {(m["op"], m["signature"], m["dtype"], m["band_hi"], m["impl_id"]): m
                 for m in db.measurements(row["device_key"], row["driver"])}
