@@ -69,6 +69,11 @@ if [ ! -f /tmp/s7/aot-restored ]; then
       mkdir -p "$AOT" && cat $(ls "$FA"/fiaot.tgz.part* | sort) | tar -xz -C "$AOT" \
         && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules from $FA into $AOT"
     fi
+    # more modules packed on their own (session 12's norm/activation/rope JIT: ops-fiaot.tgz)
+    for f in $(ls "$FA"/*-fiaot.tgz 2>/dev/null); do
+      [ -n "$AOT" ] && mkdir -p "$AOT" && tar -xzf "$f" -C "$AOT" \
+        && touch /tmp/s7/aot-restored && echo "FlashInfer AOT modules from $f"
+    done
   done
   [ -f /tmp/s7/aot-restored ] && echo "FlashInfer AOT modules now: $(cd "$AOT" && ls */*.so | tr '\n' ' ')"
 fi
