@@ -104,6 +104,20 @@ pack_fi() {
       && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
   fi
 }
+# `linear` decided per token range on $DB: LIMIT (the instrument's), TIMEOUT, REPS
+adjudicate_linear_per_range() {
+  FLTUNE_E2E_TIME_LIMIT=$1 timeout $2 python3 -m fltune adjudicate --db $DB --model "$P" \
+    --ops linear --per-range --reps $3 --warmup 1 \
+    --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
+    --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
+}
+# the DB's decisions shown, the DB kept beside the phase's files, big logs zipped
+keep_decisions() {
+  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
+  cp $DB "$W/"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W"/*/model
+}
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
     ( cd /tmp/sgstage \
@@ -269,27 +283,16 @@ q06) {
   python3 -m fltune report --db $DB --op linear --wide 2>&1 | head -70
   left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
   el "adjudicate linear per range ($left s left)"
-  [ $left -gt 150 ] && FLTUNE_E2E_TIME_LIMIT=$(( left - 40 )) timeout $(( left - 10 )) \
-    python3 -m fltune adjudicate --db $DB --model "$P" --ops linear --per-range \
-    --reps ${REPS:-10} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
-    --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
-  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
-  cp $DB "$W/"
-  find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W"/*/model
+  [ $left -gt 150 ] && adjudicate_linear_per_range $(( left - 40 )) $(( left - 10 )) ${REPS:-10}
+  keep_decisions
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linrange) {
   DB=/tmp/s7/lin.db
   [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s6/linear-calibrate/h200.db $DB
   el "adjudicate linear per range"
-  FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune adjudicate --db $DB --model "$P" --ops linear \
-    --per-range --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" \
-    --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
-  python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/decision/,$p' | head -30
-  cp $DB "$W/"
-  find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W"/*/model
+  adjudicate_linear_per_range $(lim 540) ${TIMEOUT:-540} ${REPS:-5}
+  keep_decisions
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linbench) {

@@ -42,21 +42,18 @@ if last_cap < 16 * MiB:
     sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) and .whl "
              f"({whl_kib // 1024} MiB) leave under 16 MiB a call")
 for f in sorted(os.listdir(stage)):
-    if f.startswith("vpart") or ".whl.part" in f:
+    if f.startswith("vpart") or f == "VLLM_WHEEL" or ".whl.part" in f:   # an earlier cut
         os.remove(os.path.join(stage, f))
 items = []
 for f in sorted(os.listdir(stage)):
     p = os.path.join(stage, f)
-    if f.startswith("vllm-0.24.0") and f.endswith(".whl"):
-        items += split(p, last_cap - MiB, lambda i: os.path.join(stage, f"vpart{i:02d}"))
-        with open(os.path.join(stage, "VLLM_WHEEL"), "w") as out:   # its name, for the join
-            out.write(f + "\n")
-        items.append(os.path.join(stage, "VLLM_WHEEL"))
-    elif f.endswith(".whl") and os.path.getsize(p) > cap - MiB:
-        # a wheel larger than one call (xgrammar, 43 MiB, was refused on 2026-12-01 once the
-        # checkout had grown to 25 MiB): cut, joined back by VLLM_INSTALL
+    if not f.endswith(".whl"):
+        continue
+    if os.path.getsize(p) > cap - MiB:
+        # a wheel larger than one call (vLLM's; xgrammar, 43 MiB, was refused on 2026-12-01
+        # once the checkout had grown to 25 MiB): cut, joined back by VLLM_INSTALL
         items += split(p, cap - MiB, lambda i, f=f: os.path.join(stage, f"{f}.part{i:03d}"))
-    elif f.endswith(".whl"):
+    else:
         items.append(p)
 bins = sorted(first_fit(items, cap), key=lambda b: -b[0])   # the smallest last: beside .whl
 if bins and bins[-1][0] > last_cap:
@@ -72,6 +69,6 @@ du -sh .ve[0-9]* | tr '\n' ' '; echo
 echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
 echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named:"
 python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
-# (the joins run only where parts are left, so a second try after a failed pip install does
+# (a join runs only where parts are left, so a second try after a failed pip install does
 # not truncate the joined wheel; a failed join stops the install)
-echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && if ls vpart* >/dev/null 2>&1; then cat $(ls vpart* | sort) > $(cat VLLM_WHEEL) && rm vpart* || exit 1; fi && for p in $(ls *.whl.part000 2>/dev/null); do b=${p%.part000}; cat $(ls $b.part* | sort) > $b && rm $b.part* || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'
+echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && for p in $(ls *.whl.part000 2>/dev/null); do b=${p%.part000}; cat $(ls $b.part* | sort) > $b && rm $b.part* || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'

@@ -596,6 +596,8 @@ def render_refine(doc: dict, console=None) -> None:
 def render_e2e(doc: dict, console=None) -> None:
     """`fltune bench --e2e`: per scenario x arm, the throughput ratio to the baseline (median
     [95% CI]) and GPU kernel µs per step (arm / baseline); then each arm's state."""
+    from ..evaluate.e2e import is_fltune_arm
+
     if console is None:
         console = wide_console(170)
     eng = doc.get("engine") or {}
@@ -656,7 +658,7 @@ def render_e2e(doc: dict, console=None) -> None:
         if a.get("routed_calls"):
             bits.append("routed calls " + ", ".join(f"{k} {v}" for k, v in
                                                     sorted(a["routed_calls"].items())))
-        elif any(str(k).startswith("FLTUNE_") for k in (a.get("env") or {})):
+        elif is_fltune_arm(a.get("env")):
             bits.append("routed nothing")
         if a.get("error"):
             bits.append(f"[red]failed: {escape(str(a['error']))}[/]")

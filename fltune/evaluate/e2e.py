@@ -593,8 +593,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             if cores:
                 add.setdefault("OMP_NUM_THREADS",
                                str(len(pin.measure) if pin.mode == "measure" else len(cores)))
-            if any(k.startswith("FLTUNE_") for k in arm.env) \
-                    and "FLTUNE_COUNTERS_FILE" not in arm.env:
+            if is_fltune_arm(arm.env) and "FLTUNE_COUNTERS_FILE" not in arm.env:
                 # tensor parallelism: each rank is its own process with its own counters
                 add["FLTUNE_COUNTERS_FILE"] = os.path.join(
                     work, f"counters-{arm.name}" + ("-{pid}" if tp > 1 else "") + ".json")
@@ -882,6 +881,13 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
                 "step_us_vanilla": _median([b for b, _ in pairs]) * 1e6,
                 "ci_half_width": (hi - lo) / 2, "ratios": ratios})
     return points
+
+
+def is_fltune_arm(env) -> bool:
+    """Whether an arm's environment hands the engine to fltune's plugin (an ``FLTUNE_*``
+    variable): such an arm reports its routed calls; any other (vanilla, ``recompiled``)
+    routes nothing by construction."""
+    return any(str(k).startswith("FLTUNE_") for k in (env or {}))
 
 
 #: the environment of a vanilla arm compiled afresh in its own process (``model_step``'s

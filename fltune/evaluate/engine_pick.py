@@ -475,13 +475,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                      progress=progress)
     got = getattr(result, "points", result)
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
-    aa_points = [p for p in got if p.get("arm") == model_step.COMPILE_AA_ARM]
-    floors = model_step.kernel_floors(aa_points)
-    info0 = getattr(result, "arms_info", None) or {}
-    gaps = (model_step.floors_missing(aa_points, floors, scenarios,
-                                      info0.get(model_step.COMPILE_AA_ARM)
-                                      if isinstance(info0, dict) else None)
-            if compile_aa else [])
+    floors, compile_evidence = model_step.compile_aa_outcome(result, scenarios)
+    gaps = compile_evidence["missing"] if compile_aa else []
     decision, value, reason, verdicts = judge(per_value, floors)
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
@@ -503,9 +498,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                 "warmup": warmup, "engine": engine, "command": command,
                 # the per-value rule is model_step's, whichever version it is now
                 "value_rule": model_step.RULE,
-                "compile_aa": ({"arm": model_step.COMPILE_AA_ARM,
-                                "env": e2e.COMPILE_AA_ENV, "points": aa_points,
-                                "floors": floors, "missing": gaps} if compile_aa else None),
+                "compile_aa": compile_evidence if compile_aa else None,
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
     me = devmod.current(device_type)
     stack = devmod.stack()

@@ -197,6 +197,22 @@ def floors_missing(aa_points: list, floors: dict, scenarios, arm_info=None) -> l
             f"scenarios keep the {KERNEL_FLOOR:.0%} floor, which a fresh compile can exceed"]
 
 
+def compile_aa_outcome(result, scenarios) -> tuple:
+    """(floors, evidence) of the compile A/A arm in an e2e ``result`` (``run_e2e``'s, or the
+    points list a test injects): its points, the floors they set (:func:`kernel_floors`)
+    and the warnings for scenarios left without one (:func:`floors_missing`)."""
+    from . import e2e
+
+    aa_points = [p for p in getattr(result, "points", result) or []
+                 if p.get("arm") == COMPILE_AA_ARM]
+    floors = kernel_floors(aa_points)
+    info = getattr(result, "arms_info", None) or {}
+    gaps = floors_missing(aa_points, floors, scenarios,
+                          info.get(COMPILE_AA_ARM) if isinstance(info, dict) else None)
+    return floors, {"arm": COMPILE_AA_ARM, "env": e2e.COMPILE_AA_ENV, "points": aa_points,
+                    "floors": floors, "missing": gaps}
+
+
 def kernel_floors(aa_points: list) -> dict:
     """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
     CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
@@ -346,7 +362,6 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     points: dict = {op: [] for op in to_measure}
     if compile_aa is None:
         compile_aa = compile_aa_default(dev["device_type"])
-    aa_points: list = []
     if to_measure:
         arms = [e2e.Arm("vanilla", {})] + [
             e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
@@ -360,24 +375,20 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             name = p.get("arm", "")
             if name.startswith("only:") and name[len("only:"):] in points:
                 points[name[len("only:"):]].append(p)
-            elif name == COMPILE_AA_ARM:
-                aa_points.append(p)
         key = _reported_key(result) or key
     scen = [_scenario_json(s) for s in scenarios]
     stack_key = devmod.stack_key(devmod.stack())
     rows = []
     edges = (None if not per_range else BANDS if per_range == BANDS
              else sorted(set(per_range)))
-    floors = kernel_floors(aa_points)
-    compile_evidence = row_compile = None
+    floors, compile_evidence = compile_aa_outcome(result, scenarios)
+    row_compile = None
     if compile_aa and to_measure:
-        aa_info = (getattr(result, "arms_info", None) or {}).get(COMPILE_AA_ARM)
-        gaps = floors_missing(aa_points, floors, scenarios, aa_info)
-        warnings = list(warnings) + gaps
-        compile_evidence = {"arm": COMPILE_AA_ARM, "env": e2e.COMPILE_AA_ENV, "points": aa_points,
-                            "floors": floors, "missing": gaps}
+        warnings = list(warnings) + compile_evidence["missing"]
         # every row keeps the floors it was decided with; the points once, in the document
-        row_compile = {"arm": COMPILE_AA_ARM, "floors": floors, "missing": gaps}
+        row_compile = {k: compile_evidence[k] for k in ("arm", "floors", "missing")}
+    else:
+        compile_evidence = None
     for op in sorted(set(to_measure) | set(all_native)):
         base = {"device_key": dev["device_key"], "driver": dev["driver"],
                 "stack_key": stack_key, "model": key, "model_name": src, "op": op,
