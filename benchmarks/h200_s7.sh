@@ -39,6 +39,8 @@
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
+#   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
+#                both models' ops into the shipped DB's copy
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -285,6 +287,25 @@ q06) {
   el "adjudicate linear per range ($left s left)"
   [ $left -gt 150 ] && adjudicate_linear_per_range $(( left - 40 )) $(( left - 10 )) ${REPS:-10}
   keep_decisions
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+fiops) {
+  # issue 12.4: FlashInfer's norm / activation / rope kernels raced in calibration (session 12
+  # built and parity-checked their modules: .fiaot/ops-fiaot.tgz, restored above) for the ops
+  # the shipped DB had raced without them, both models, into the shipped DB's copy (--force:
+  # the bands are re-raced with every candidate, the old rows replaced)
+  DB=/tmp/s7/lin.db
+  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  for spec in "Qwen3.5-0.8B:${OPS35:-gemma_rms_norm,gemma_fused_add_rms_norm,silu_and_mul}" \
+              "Qwen3-0.6B:${OPS06:-silu_and_mul,rotary_embedding}"; do
+    left=$(( ${CALL_S:-570} - $(date +%s) + t0 - 20 ))
+    el "calibrate ${spec%%:*} ${spec#*:} --force ($left s left)"
+    [ $left -gt 30 ] && timeout $left python3 -m fltune calibrate --model "${spec%%:*}" --db $DB \
+      --ops "${spec#*:}" --max-tokens ${MAXTOK:-8192} --force --quiet --json \
+      > "$W/calibrate-${spec%%:*}.json"; echo "calibrate rc=$?"
+  done
+  python3 -m fltune report --db $DB --wide 2>&1 | grep -B2 -A20 "silu_and_mul\|gemma\|rotary" | head -150
+  cp $DB "$W/"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linrange) {
