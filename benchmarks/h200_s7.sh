@@ -200,8 +200,8 @@ pinaa) {
   # issue 11: does moving the measured arm onto the fastest few cores (and parking the rest)
   # close the wall-time A/A? Same arms and scenarios as linbench's noise arms, PINNING=measure
   # (or shared, for the side-by-side); three vanilla engines, so the A/A is read twice, and
-  # (CAA=1, the default since session 12) caa=recompiled: vanilla compiled afresh with every
-  # compile cache off, the compile A/A that aa and aa2 (sharing vanilla's compile) cannot be;
+  # (CAA=1, the default since session 12) caa=recompiled: vanilla compiled afresh into empty
+  # caches of its own, the compile A/A that aa and aa2 (sharing vanilla's compile) cannot be;
   # its cold compile costs the call ~30-45 s more
   el "vanilla A/A, pinning ${PINNING:-measure}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" \

