@@ -289,6 +289,22 @@ q06) {
   keep_decisions
   el done
 } 2>&1 | tee "$W/log"; pack ;;
+caa) {
+  # the compile A/A arm alone beside vanilla (session 13: its start, once 296 s with every
+  # compile cache off, now a cold compile into caches of its own), a few repetitions
+  el "vanilla vs caa=recompiled"
+  FLTUNE_E2E_TIME_LIMIT=$(lim 170) timeout ${TIMEOUT:-170} python3 -m fltune bench --e2e --model "$P" \
+    --arm vanilla=vanilla --arm caa=recompiled --reps ${REPS:-3} --warmup 1 \
+    --scenarios "${SCENARIOS:-decode_b1}" --pinning ${PINNING:-measure} \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  grep -h "init engine\|Compiling a graph\|Directly load\|saved AOT\|torch.compile took" "$W"/worker-*.log | cut -c1-220
+  python3 -c "
+import json; d = json.load(open('$W/e2e-raw.json'))
+print({a: i.get('start_s') for a, i in d['arms'].items()})
+for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'ratio_median', 'ci_low', 'ci_high', 'kernel_us_arm', 'kernel_us_vanilla', 'kernel_ci_low', 'kernel_ci_high')})"
+  rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
 fiops) {
   # issue 12.4: FlashInfer's norm / activation / rope kernels raced in calibration (session 12
   # built and parity-checked their modules: .fiaot/ops-fiaot.tgz, restored above) for the ops
