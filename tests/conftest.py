@@ -25,6 +25,21 @@ TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = TESTS_DIR / "fixtures"
 REPO = TESTS_DIR.parent
 
+# One vLLM cache root for the whole test session (a user's own VLLM_CACHE_ROOT is kept):
+# every vLLM engine the tests start, in this process or a child, compiles into it, so an
+# engine whose config another test already compiled loads that compile (on this 2-core
+# machine a cold tiny-model start takes 40-50 s, a warm one ~20 s) and nothing is written
+# to the user's ~/.cache/vllm. Engines that differ (a routed op, another route mode, an
+# engine-wide setting) get their own hash inside it, as in vLLM; tests that need a cold or
+# separate compile name a root of their own, and the compile A/A arm makes its own.
+if not os.environ.get("VLLM_CACHE_ROOT"):
+    import atexit
+    import shutil
+    import tempfile
+    _VLLM_CACHE = tempfile.mkdtemp(prefix="fltune-tests-vllm-cache-")
+    os.environ["VLLM_CACHE_ROOT"] = _VLLM_CACHE
+    atexit.register(shutil.rmtree, _VLLM_CACHE, ignore_errors=True)
+
 #: the environment variables the selection policy and discovery read, in both spellings
 POLICY_ENV = [prefix + name for prefix in ("FLTUNE_", "VLLM_FL_")
               for name in ("PREFER", "STRICT", "PER_OP", "ALLOW_VENDORS", "DENY_VENDORS",

@@ -335,16 +335,11 @@ def run(tmp_path_factory):
                  Scenario("prefill_32", "prefill", 1, 32, 1)]
     events = []
     out = root / "out"
-    saved = os.environ.get("VLLM_CACHE_ROOT")     # the workers inherit it; restored after
-    os.environ["VLLM_CACHE_ROOT"] = saved or str(root / "vllm_cache")
-    try:
-        # a lax probe gate (off by default on CPU): its account must come back per sample
-        res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
-                          out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
-                          probe_gate=50.0)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CACHE_ROOT", None)
+    # (the workers compile into the session's vLLM cache root: conftest.py)
+    # a lax probe gate (off by default on CPU): its account must come back per sample
+    res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
+                      out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
+                      probe_gate=50.0)
     return {"res": res, "out": out, "events": events, "manifest": manifest}
 
 
@@ -491,22 +486,16 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path, monke
     with pytest.raises(ValueError, match="engine_process"):
         e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], sc, reps=1,
                     engine_process="threads", out_dir=str(tmp_path / "refused2"))
-    saved = os.environ.get("VLLM_CACHE_ROOT")
-    os.environ["VLLM_CACHE_ROOT"] = saved or str(tmp_path / "vllm_cache")
 
     def progress(event, **kw):
         # once the first scenario of the first measured repetition is done, the limit's
         # margin swallows what is left of the hour: the next check must cut
         if event == "rep" and not kw["warmup"] and kw["scenario"] == "decode_b2":
             monkeypatch.setattr(e2e, "TIME_LIMIT_MARGIN_S", 7200.0)
-    try:
-        res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=50,
-                          warmup=0, inner=1, out_dir=str(tmp_path / "out"),
-                          engine_process="multiprocess", time_limit_s=3600.0,
-                          progress=progress)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CACHE_ROOT", None)
+    res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=50,
+                      warmup=0, inner=1, out_dir=str(tmp_path / "out"),
+                      engine_process="multiprocess", time_limit_s=3600.0,
+                      progress=progress)
     info = res.arms_info
     for arm in ("vanilla", "aa"):
         assert info[arm]["started"], info[arm].get("log_tail")
