@@ -52,7 +52,14 @@ for f in sorted(os.listdir(stage)):
     if os.path.getsize(p) > cap - MiB:
         # a wheel larger than one call (vLLM's; xgrammar, 43 MiB, was refused on 2026-12-01
         # once the checkout had grown to 25 MiB): cut, joined back by VLLM_INSTALL
-        items += split(p, cap - MiB, lambda i, f=f: os.path.join(stage, f"{f}.part{i:03d}"))
+        parts = split(p, cap - MiB, lambda i, f=f: os.path.join(stage, f"{f}.part{i:03d}"))
+        # the count in every name (f.part003of009), so that the join on the machine can
+        # tell a missing piece: on 2026-12-02 a refused call left one out, and the join
+        # made a wheel without it and deleted the rest (repaired there by hand)
+        named = [f"{q}of{len(parts):03d}" for q in parts]
+        for q, r in zip(parts, named):
+            os.replace(q, r)
+        items += named
     else:
         items.append(p)
 bins = sorted(first_fit(items, cap), key=lambda b: -b[0])   # the smallest last: beside .whl
@@ -67,8 +74,10 @@ PY
 )
 du -sh .ve[0-9]* | tr '\n' ' '; echo
 echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
-echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named:"
+echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named; each costs"
+echo "5-25 s of device time (session 13: ~150 s for all on one machine, ~250 s on another), and"
+echo "nothing else fits beside a folder: carry .fiaot/ in a call of its own"
 python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
 # (a join runs only where parts are left, so a second try after a failed pip install does
 # not truncate the joined wheel; a failed join stops the install)
-echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && for p in $(ls *.whl.part000 2>/dev/null); do b=${p%.part000}; cat $(ls $b.part* | sort) > $b && rm $b.part* || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'
+echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && for p in $(ls *.whl.part000of* 2>/dev/null); do b=${p%.part000of*}; n=${p##*of}; h=$(ls $b.part*of$n | wc -l); [ $h -eq $((10#$n)) ] || { echo "VLLM_INSTALL: $h of $((10#$n)) pieces of $b here: a staging call is missing; its pieces are kept"; exit 1; }; cat $(ls $b.part*of$n | sort) > $b && rm $b.part*of$n || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'
