@@ -58,3 +58,38 @@ def test_calls_carry_each_folder_once_and_the_last_with_the_wheels_and_the_run()
     assert "bash run.sh" not in lines[0] + lines[1]
     assert '[".rc3", ".whl"]' in lines[2] and lines[2].endswith(
         "cp .rc3/* /tmp/raystage/ && bash run.sh")
+
+
+def _vllm_install_join() -> str:
+    """The join loop of scripts/stage-vllm.sh's VLLM_INSTALL, as the script prints it."""
+    line = next(ln for ln in (ROOT / "scripts" / "stage-vllm.sh").read_text().splitlines()
+                if ln.startswith("echo 'VLLM_INSTALL = "))
+    return line[line.index("for p in"):line.index("; done") + len("; done")]
+
+
+def test_vllm_install_joins_a_cut_wheel_only_when_every_piece_is_there(tmp_path):
+    import subprocess
+
+    data = random.Random(2).randbytes(10_000)
+    parts = carry_pack.split(
+        str(_write(tmp_path / "src.bin", data)), 3_000,
+        lambda i: str(tmp_path / f"v-1.whl.part{i:03d}"))
+    for p in parts:                                   # the names stage-vllm.sh gives them
+        os.replace(p, f"{p}of{len(parts):03d}")
+    held = tmp_path / "held"
+    os.replace(tmp_path / "v-1.whl.part002of004", held)       # a call that never came
+    join = _vllm_install_join()
+    r = subprocess.run(["bash", "-c", join], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 1 and "3 of 4 pieces of v-1.whl" in r.stdout
+    assert not (tmp_path / "v-1.whl").exists()
+    assert len(list(tmp_path.glob("v-1.whl.part*"))) == 3    # kept for the next try
+    os.replace(held, tmp_path / "v-1.whl.part002of004")
+    r = subprocess.run(["bash", "-c", join], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "v-1.whl").read_bytes() == data
+    assert not list(tmp_path.glob("v-1.whl.part*"))
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
