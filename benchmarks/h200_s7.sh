@@ -39,6 +39,7 @@
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
+#   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
@@ -303,6 +304,24 @@ import json; d = json.load(open('$W/e2e-raw.json'))
 print({a: i.get('start_s') for a, i in d['arms'].items()})
 for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'ratio_median', 'ci_low', 'ci_high', 'kernel_us_arm', 'kernel_us_vanilla', 'kernel_ci_low', 'kernel_ci_high')})"
   rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+opsadj) {
+  # issue 11.3 for the picks PHASE=fiops changed (FlashInfer's): each model's ops decided by
+  # model step (per op; --compile-aa on by default on CUDA), the call's time shared out
+  DB=/tmp/s7/lin.db
+  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  for spec in "Qwen3-0.6B:${OPS06:-rotary_embedding,silu_and_mul}" \
+              "Qwen3.5-0.8B:${OPS35:-silu_and_mul,gemma_rms_norm,gemma_fused_add_rms_norm}"; do
+    m=${spec%%:*}; left=$(( ${CALL_S:-570} - $(date +%s) + t0 - 20 ))
+    [ "$m" = Qwen3-0.6B ] && left=$(( left / 2 ))
+    el "adjudicate $m ${spec#*:} ($left s)"
+    [ $left -gt 120 ] && FLTUNE_E2E_TIME_LIMIT=$(( left - 30 )) timeout $left python3 -m fltune \
+      adjudicate --db $DB --model "$m" --ops "${spec#*:}" --reps ${REPS:-8} --warmup 1 \
+      --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --out "$W/adj-$m" --json \
+      > "$W/adjudicate-$m.json"; echo "adjudicate rc=$?"
+  done
+  keep_decisions
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 fiops) {

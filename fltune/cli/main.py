@@ -1087,8 +1087,8 @@ def _add_verify(sub) -> None:
     c.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets "
                                     "(vanilla too), over the instrument's defaults")
     c.add_argument("--compile-aa", choices=["auto", "on", "off"], default="auto",
-                   help="add an arm that is vanilla vLLM compiled afresh (every compile "
-                        "cache off): its kernel-time CI against vanilla, one draw of "
+                   help="add an arm that is vanilla vLLM compiled afresh (into empty "
+                        "caches of its own): its kernel-time CI against vanilla, one draw of "
                         "Inductor's autotuning, widens the 1%% kernel floor per scenario "
                         "(an arm that differs from vanilla compiles the model itself). "
                         "auto: on CUDA")
