@@ -107,6 +107,11 @@ pack_fi() {
       && split -b 15M -d -a 1 /tmp/s7/fiaot.tgz "$OUT/fiaot.tgz.part"
   fi
 }
+# the phases' common DB: /tmp/s7/lin.db, a copy of the shipped DB until a phase writes to it
+# (session 12 on; kept while the machine is warm, so phases build on each other)
+shipped_db() { DB=/tmp/s7/lin.db; [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB; }
+# seconds left of the call (CALL_S, default 570) since the phase began (t0)
+call_left() { echo $(( ${CALL_S:-570} - $(date +%s) + t0 )); }
 # `linear` decided per token range on $DB: LIMIT (the instrument's), TIMEOUT, REPS
 adjudicate_linear_per_range() {
   FLTUNE_E2E_TIME_LIMIT=$1 timeout $2 python3 -m fltune adjudicate --db $DB --model "$P" \
@@ -225,9 +230,8 @@ fijit) {
   pack_fi
   # issue 12.2: the GDN race with FlashInfer's prefill kernel now compiled, into PHASE=linrange's
   # DB (session 9's lin.db: linear + the shipped ops), with what is left of the call's time
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB   # the shipped DB (session 12 on)
-  left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
+  shipped_db
+  left=$(call_left)
   el "calibrate the GDN ops ($left s left)"
   [ $left -gt 60 ] && timeout $left python3 -m fltune calibrate --model Qwen3.5-0.8B --db $DB \
     --ops gdn_chunk_prefill,gdn_decode --max-tokens ${MAXTOK:-8192} --quiet --json > "$W/gdn-calibrate.json"
@@ -256,8 +260,7 @@ gdnpick) {
   # issues 11.5 and 12.2/3: vLLM's GDN prefill kernel as an engine-wide pick measured by model
   # step (triton = FLA, flashinfer = vLLM's default on SM90) against vanilla (`auto`, its true
   # default, now that FlashInfer's JIT is built: PHASE=fijit first, or a carried .fiaot/)
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB   # the shipped DB (session 12 on)
+  shipped_db
   el "engine pick ${CHOICE:-gdn_prefill_backend=triton,flashinfer}, pinning ${PINNING:-measure}"
   FLTUNE_E2E_PINNING=${PINNING:-measure} FLTUNE_E2E_TIME_LIMIT=$(lim 450) \
     timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
@@ -277,14 +280,13 @@ q06) {
   # there for 7 shapes), then decided per token range by model step (--compile-aa: on CUDA by
   # default) with what is left of the call; then PHASE=gdnpick with P=Qwen3-0.6B
   # CHOICE=attention_backend=TRITON_ATTN for its engine pick
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  shipped_db
   el "calibrate $P linear (FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1})"
   FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1} timeout ${CAL_S:-330} python3 -m fltune calibrate \
     --model "$P" --ops linear --max-tokens ${MAXTOK:-8192} --candidate-timeout 300 --db $DB \
     --quiet --json > "$W/calibrate-linear.json"; echo "calibrate rc=$?"
   python3 -m fltune report --db $DB --op linear --wide 2>&1 | head -70
-  left=$(( ${CALL_S:-570} - $(date +%s) + t0 ))
+  left=$(call_left)
   el "adjudicate linear per range ($left s left)"
   [ $left -gt 150 ] && adjudicate_linear_per_range $(( left - 40 )) $(( left - 10 )) ${REPS:-10}
   keep_decisions
@@ -309,11 +311,10 @@ for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'rati
 opsadj) {
   # issue 11.3 for the picks PHASE=fiops changed (FlashInfer's): each model's ops decided by
   # model step (per op; --compile-aa on by default on CUDA), the call's time shared out
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  shipped_db
   for spec in "Qwen3-0.6B:${OPS06:-rotary_embedding,silu_and_mul}" \
               "Qwen3.5-0.8B:${OPS35:-silu_and_mul,gemma_rms_norm,gemma_fused_add_rms_norm}"; do
-    m=${spec%%:*}; left=$(( ${CALL_S:-570} - $(date +%s) + t0 - 20 ))
+    m=${spec%%:*}; left=$(( $(call_left) - 20 ))
     [ "$m" = Qwen3-0.6B ] && left=$(( left / 2 ))
     el "adjudicate $m ${spec#*:} ($left s)"
     [ $left -gt 120 ] && FLTUNE_E2E_TIME_LIMIT=$(( left - 30 )) timeout $left python3 -m fltune \
@@ -329,11 +330,10 @@ fiops) {
   # built and parity-checked their modules: .fiaot/ops-fiaot.tgz, restored above) for the ops
   # the shipped DB had raced without them, both models, into the shipped DB's copy (--force:
   # the bands are re-raced with every candidate, the old rows replaced)
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB
+  shipped_db
   for spec in "Qwen3.5-0.8B:${OPS35:-gemma_rms_norm,gemma_fused_add_rms_norm,silu_and_mul}" \
               "Qwen3-0.6B:${OPS06:-silu_and_mul,rotary_embedding}"; do
-    left=$(( ${CALL_S:-570} - $(date +%s) + t0 - 20 ))
+    left=$(( $(call_left) - 20 ))
     el "calibrate ${spec%%:*} ${spec#*:} --force ($left s left)"
     [ $left -gt 30 ] && timeout $left python3 -m fltune calibrate --model "${spec%%:*}" --db $DB \
       --ops "${spec#*:}" --max-tokens ${MAXTOK:-8192} --force --quiet --json \

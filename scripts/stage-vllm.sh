@@ -34,7 +34,7 @@ rm -rf .ve[0-9]*
 n=$(python3 - "$stage" "$tree_kib" "$whl_kib" "$margin_mib" <<'PY'
 import os, sys
 sys.path.insert(0, "scripts")
-from carry_pack import MiB, first_fit, link_bins, split
+from carry_pack import MiB, first_fit, link_bins, split_counted
 stage, tree_kib, whl_kib, margin = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 cap = 64 * MiB - tree_kib * 1024 - margin * MiB
 last_cap = cap - whl_kib * 1024                # the last folder travels with .whl
@@ -52,14 +52,8 @@ for f in sorted(os.listdir(stage)):
     if os.path.getsize(p) > cap - MiB:
         # a wheel larger than one call (vLLM's; xgrammar, 43 MiB, was refused on 2026-12-01
         # once the checkout had grown to 25 MiB): cut, joined back by VLLM_INSTALL
-        parts = split(p, cap - MiB, lambda i, f=f: os.path.join(stage, f"{f}.part{i:03d}"))
-        # the count in every name (f.part003of009), so that the join on the machine can
-        # tell a missing piece: on 2026-12-02 a refused call left one out, and the join
-        # made a wheel without it and deleted the rest (repaired there by hand)
-        named = [f"{q}of{len(parts):03d}" for q in parts]
-        for q, r in zip(parts, named):
-            os.replace(q, r)
-        items += named
+        # (each piece named with the count: VLLM_INSTALL joins only when all are there)
+        items += split_counted(p, cap - MiB)
     else:
         items.append(p)
 bins = sorted(first_fit(items, cap), key=lambda b: -b[0])   # the smallest last: beside .whl

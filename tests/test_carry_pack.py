@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,14 +69,12 @@ def _vllm_install_join() -> str:
 
 
 def test_vllm_install_joins_a_cut_wheel_only_when_every_piece_is_there(tmp_path):
-    import subprocess
-
     data = random.Random(2).randbytes(10_000)
-    parts = carry_pack.split(
-        str(_write(tmp_path / "src.bin", data)), 3_000,
-        lambda i: str(tmp_path / f"v-1.whl.part{i:03d}"))
-    for p in parts:                                   # the names stage-vllm.sh gives them
-        os.replace(p, f"{p}of{len(parts):03d}")
+    whl = tmp_path / "v-1.whl"
+    whl.write_bytes(data)
+    parts = carry_pack.split_counted(str(whl), 3_000)     # as stage-vllm.sh cuts a wheel
+    assert [Path(p).name for p in parts] == [f"v-1.whl.part{i:03d}of004" for i in range(4)]
+    whl.unlink()
     held = tmp_path / "held"
     os.replace(tmp_path / "v-1.whl.part002of004", held)       # a call that never came
     join = _vllm_install_join()
@@ -88,8 +87,3 @@ def test_vllm_install_joins_a_cut_wheel_only_when_every_piece_is_there(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "v-1.whl").read_bytes() == data
     assert not list(tmp_path.glob("v-1.whl.part*"))
-
-
-def _write(path: Path, data: bytes) -> Path:
-    path.write_bytes(data)
-    return path

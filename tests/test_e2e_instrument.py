@@ -398,10 +398,12 @@ def test_fresh_dirs_are_new_per_arm_and_variable_even_in_a_used_folder(tmp_path)
     one, made1 = e2e.resolve_fresh_dirs(env, str(tmp_path), "x/y")
     two, made2 = e2e.resolve_fresh_dirs(env, str(tmp_path), "x/y")
     assert one["C"] == two["C"] == "kept"
-    assert len({one["A"], one["B"], two["A"], two["B"]}) == 4 == len(made1 + made2)
-    for d in made1 + made2:
+    assert made1 == {"A": one["A"], "B": one["B"]} and made2 == {"A": two["A"], "B": two["B"]}
+    made = [*made1.values(), *made2.values()]
+    assert len(set(made)) == 4
+    for d in made:
         assert Path(d).is_dir() and not any(Path(d).iterdir()) and Path(d).parent == tmp_path
-    assert e2e.resolve_fresh_dirs({"A": "v"}, str(tmp_path), "z") == ({"A": "v"}, [])
+    assert e2e.resolve_fresh_dirs({"A": "v"}, str(tmp_path), "z") == ({"A": "v"}, {})
 
 
 @engine_test

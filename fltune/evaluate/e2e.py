@@ -602,12 +602,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 add["FLTUNE_COUNTERS_INTERVAL"] = "1"
             env = arm_environ(arm, os.environ, add)
             env, made = resolve_fresh_dirs(env, work, arm.name)
-            fresh_dirs += made
+            fresh_dirs += made.values()
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
                     "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
                     "cores": sorted(cores) if cores else None}
             if made:
-                info["fresh_dirs"] = {k: env[k] for k, v in arm.env.items() if v == FRESH_DIR}
+                info["fresh_dirs"] = made
             arms_info[arm.name] = info
             progress("starting", arm=arm.name)
             t0 = time.monotonic()
@@ -916,17 +916,15 @@ FRESH_DIR = "<fresh-dir>"
 COMPILE_AA_ENV = {"VLLM_CACHE_ROOT": FRESH_DIR, "TORCHINDUCTOR_CACHE_DIR": FRESH_DIR}
 
 
-def resolve_fresh_dirs(env: dict, parent: str, arm_name: str) -> tuple[dict, list]:
+def resolve_fresh_dirs(env: dict, parent: str, arm_name: str) -> tuple[dict, dict]:
     """``env`` with every :data:`FRESH_DIR` value replaced by a new, empty folder under
     ``parent`` (named after the arm and the variable, unique even where ``parent`` is an
-    output folder used before: a cache left there would be a warm one); the folders made."""
-    out, made = dict(env), []
-    for k, v in env.items():
-        if v == FRESH_DIR:
-            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in arm_name)
-            out[k] = tempfile.mkdtemp(prefix=f"fresh-{safe}-{k.lower()}-", dir=parent)
-            made.append(out[k])
-    return out, made
+    output folder used before: a cache left there would be a warm one); and the folders
+    made, by variable."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in arm_name)
+    made = {k: tempfile.mkdtemp(prefix=f"fresh-{safe}-{k.lower()}-", dir=parent)
+            for k, v in env.items() if v == FRESH_DIR}
+    return {**env, **made}, made
 
 
 def parse_arm(text: str) -> Arm:
