@@ -344,8 +344,7 @@ fiops) {
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linrange) {
-  DB=/tmp/s7/lin.db
-  [ -f $DB ] || cp benchmarks/results/h200-2026-12-01-s6/linear-calibrate/h200.db $DB
+  shipped_db    # (session 13 on: the shipped DB holds both models' `linear` races)
   el "adjudicate linear per range"
   adjudicate_linear_per_range $(lim 540) ${TIMEOUT:-540} ${REPS:-5}
   keep_decisions
