@@ -312,8 +312,10 @@ opsadj) {
   # issue 11.3 for the picks PHASE=fiops changed (FlashInfer's): each model's ops decided by
   # model step (per op; --compile-aa on by default on CUDA), the call's time shared out
   shipped_db
-  for spec in "Qwen3-0.6B:${OPS06:-rotary_embedding,silu_and_mul}" \
-              "Qwen3.5-0.8B:${OPS35:-silu_and_mul,gemma_rms_norm,gemma_fused_add_rms_norm}"; do
+  # (OPS06= or OPS35= empty skips that model: session 14 decided Qwen3-0.6B's alone)
+  for spec in "Qwen3-0.6B:${OPS06-rotary_embedding,silu_and_mul}" \
+              "Qwen3.5-0.8B:${OPS35-silu_and_mul,gemma_rms_norm,gemma_fused_add_rms_norm}"; do
+    [ -n "${spec#*:}" ] || continue
     m=${spec%%:*}; left=$(( $(call_left) - 20 ))
     [ "$m" = Qwen3-0.6B ] && left=$(( left / 2 ))
     el "adjudicate $m ${spec#*:} ($left s)"

@@ -773,6 +773,21 @@ def test_adjudicate_command_refuses_bad_input_before_any_work(tmp_path):
     CalibrationDB(db).close()
     r = _cli("adjudicate", "--db", str(db), "--model", str(FIXTURE), "--scenarios", "bogus")
     assert r.returncode == 2 and "--scenarios" in r.stderr and "unknown scenario" in r.stderr
+    r = _cli("adjudicate", "--db", str(db), "--model", str(FIXTURE), "--ops", "none")
+    assert r.returncode == 2 and "unknown op 'none'" in r.stderr and "silu_and_mul" in r.stderr
+
+
+def test_adjudication_refuses_an_op_the_model_does_not_run(cal_db):
+    """A known op the model never runs (the fixture, a Qwen3, has no gemma norm) is an error
+    naming the model's ops, not an empty adjudication."""
+    from fltune.evaluate import model_step
+    from fltune.tune.workload import ModelConfigError
+
+    def measure(*a, **kw):
+        raise AssertionError("nothing may be measured")
+    with pytest.raises(ModelConfigError, match="runs no gemma_rms_norm: its ops are .*rms_norm"):
+        model_step.adjudicate(str(cal_db), str(FIXTURE), ops=["gemma_rms_norm", "rms_norm"],
+                              reps=3, warmup=1, command="test", measure=measure)
 
 
 @needs_vllm

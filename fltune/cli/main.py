@@ -1059,7 +1059,7 @@ def _add_verify(sub) -> None:
     c.add_argument("--db-device", help="the DB's device row (key prefix or name; default: "
                                        "this machine's)")
     c.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    c.add_argument("--ops", help="comma-separated subset of the ops to measure")
+    c.add_argument("--ops", type=_ops_arg, help="comma-separated subset of the ops to measure")
     c.add_argument("--scenarios", help="comma-separated e2e scenarios (default: the device's)")
     c.add_argument("--reps", type=_int, default=10, help="measured repetitions per arm")
     c.add_argument("--warmup", type=_int, default=2, help="unmeasured rounds first")

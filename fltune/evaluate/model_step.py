@@ -89,7 +89,7 @@ from ..freeze import build_manifest
 from ..store import CalibrationDB
 from ..store import device as devmod
 from ..store.device import resolve_device
-from ..tune.workload import derive, load_config
+from ..tune.workload import ModelConfigError, derive, load_config
 
 RULE = "model-step/4"
 #: the wall-only rule's tolerance on kernel totals without a CI (rule /1, CPU-free points)
@@ -343,6 +343,12 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     measure = measure or e2e.run_e2e
     src, cfg = load_config(model)
     model_ops = {i.op for i in derive(model).items}
+    if ops is not None and set(ops) - model_ops:
+        # an op the model never runs would be decided by nothing and stored as nothing: a
+        # silent no-op (session 14 ran `--ops none` for 8 minutes of nothing)
+        raise ModelConfigError(
+            f"{model} runs no {', '.join(sorted(set(ops) - model_ops))}: its ops are "
+            f"{', '.join(sorted(model_ops))} (drop --ops to decide them all)")
     db = CalibrationDB(db_path, create=False)
     try:
         dev = resolve_device(db, device)
