@@ -407,6 +407,35 @@ def test_report_document_lists_the_decisions(decided_db):
     p = by_op["rms_norm"]["points"][0]
     assert {"scenario", "ratio_median", "ci_low", "ci_high"} <= set(p)
     assert by_op["rms_norm"]["model"].endswith("tiny_qwen3/config.json")
+    assert not any(d["stale"] for d in rep["route_decisions"])
+
+
+def test_report_marks_a_decision_a_later_calibration_made_stale(decided_db, tmp_path):
+    """rms_norm was decided `route` with vendor.vllm; a later race picks the reference: the
+    DB still holds the row, freeze leaves it out, and the report says so (table and JSON)."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from fltune.cli.render import render_route_decisions
+    from fltune.evaluate import report
+
+    db = tmp_path / "later.db"
+    shutil.copy(decided_db[0], db)
+    con = sqlite3.connect(db)
+    con.execute("update winners set impl_id='default.flagos', kind='default', vendor=null "
+                "where op='rms_norm'")
+    con.commit()
+    con.close()
+    by_op = {d["op"]: d for d in report.build(str(db))["route_decisions"]}
+    assert "default.flagos" in by_op["rms_norm"]["stale"]
+    assert by_op["rms_norm"]["decision"] == "route"           # the row itself is kept
+    assert by_op["silu_and_mul"]["stale"] is None
+    out = io.StringIO()
+    render_route_decisions(list(by_op.values()), Console(file=out, width=200))
+    line = next(ln for ln in out.getvalue().splitlines() if "│ rms_norm" in ln)
+    assert "stale" in line and "not in force" in line
 
 
 def test_freeze_carries_the_decisions_in_the_fingerprint(cal_db, decided_db):

@@ -699,9 +699,15 @@ def render_route_decisions(rows: list, console=None, title: str = None) -> None:
         lo, hi = r.get("min_tokens") or 1, r.get("max_tokens")
         # the token range the decision covers (--per-range); "all" for the whole range
         tokens = "all" if lo <= 1 and hi is None else (f"{lo}+" if hi is None else f"{lo}-{hi}")
-        t.add_row(escape(str(r.get("model") or "")), r["op"], tokens,
-                  f"[bold green]{dec}[/]" if dec == "route" else dec,
-                  escape(str(r.get("reason") or "")), _points_cell(points))
+        reason = escape(str(r.get("reason") or ""))
+        if r.get("stale"):          # freeze leaves it out: the op is on vLLM's path
+            dec, reason = (f"[dim]{dec}[/] [bold yellow]stale[/]",
+                           f"[yellow]stale, not in force ({escape(r['stale'])}): re-run "
+                           f"fltune adjudicate[/]; was: {reason}")
+        elif dec == "route":
+            dec = f"[bold green]{dec}[/]"
+        t.add_row(escape(str(r.get("model") or "")), r["op"], tokens, dec, reason,
+                  _points_cell(points))
     console.print(t)
 
 

@@ -29,7 +29,7 @@ import json
 from typing import Optional
 
 from ..dispatch.policy import SelectionPolicy
-from ..freeze import fl_pick_row
+from ..freeze import build_manifest, fl_pick_row
 from ..store import CalibrationDB, band_key
 from ..store.device import resolve_device
 from ..tune import noise as noisemod
@@ -59,6 +59,15 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
         engine_picks = engine_picks_doc(db.engine_picks(dev["device_key"], dev["driver"]))
     finally:
         db.close()
+    if decisions:
+        # a decision measured with picks a later calibration changed still sits in the DB,
+        # but freeze leaves it out (the op stays on vLLM's path until re-adjudicated): the
+        # report must not show it as in force
+        stale: dict = {}
+        build_manifest(db_path, device=device, registry=registry, policy=policy,
+                       check_stack=False, stale_out=stale)
+        for d in decisions:
+            d["stale"] = stale.get((d["model_key"], d["op"]))
     margins = {r["id"]: json.loads(r["settings"] or "{}").get("margin", WIN_MARGIN)
                for r in runs}
     rows = []

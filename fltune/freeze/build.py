@@ -69,7 +69,8 @@ ORDERS = ("measured", "fl")
 def build_manifest(db_path: str, *, device: Optional[str] = None,
                    policy: Optional[SelectionPolicy] = None, registry=None,
                    strict: bool = False, check_stack: bool = True,
-                   order: str = "measured") -> tuple[dict, list[str]]:
+                   order: str = "measured",
+                   stale_out: Optional[dict] = None) -> tuple[dict, list[str]]:
     """Returns (manifest, warnings). Raises DBError when there is nothing for the device,
     StackMismatch when ``strict`` and the stack changed since calibration.
 
@@ -80,7 +81,10 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
     picks the first qualified candidate in the policy's order (what vllm-plugin-FL would
     run), over the same bands. It exists so that the end-to-end A/B serves the baseline
     through the very same seams and custom ops as the calibrated arm — the two arms then
-    differ only in which implementation each band calls."""
+    differ only in which implementation each band calls.
+
+    ``stale_out``, a dict, receives ``(model key, op) -> why`` for each route decision left
+    out as stale (``fltune report`` marks those rows: the DB still holds them)."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}")
     policy = policy or SelectionPolicy()
@@ -133,7 +137,7 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
             overrides=overrides,
             # model-step decisions hold for the measured picks they were measured with; the
             # fixed FL order's arm routes what vllm-plugin-FL would, undecided
-            route_decisions=(_route_decisions(db, dev, entries, warnings)
+            route_decisions=(_route_decisions(db, dev, entries, warnings, stale_out)
                              if order == "measured" else []),
             # engine-wide picks (evaluate/engine_pick.py): likewise the measured choice's;
             # the fixed-order baseline runs vLLM's own engine settings
@@ -257,7 +261,8 @@ def _native_times(timed: list[dict]) -> dict:
     return out
 
 
-def _route_decisions(db, dev: dict, entries: dict, warnings: list) -> list[RouteDecision]:
+def _route_decisions(db, dev: dict, entries: dict, warnings: list,
+                     stale_out: Optional[dict] = None) -> list[RouteDecision]:
     """The device's model-step routing decisions (``evaluate/model_step.py``) that still
     hold: per (model, op) the newest adjudication's rows (one per token range it decided:
     ``--per-range``; one row for the whole range otherwise); dropped, with a warning, where
@@ -279,10 +284,12 @@ def _route_decisions(db, dev: dict, entries: dict, warnings: list) -> list[Route
         now = sorted({i for i in entry.impl_ids() if not is_native(i)}) if entry else []
         routes = any(r["decision"] == "route" for r in rows)
         if routed != now and (routes or now):
+            why = (f"measured routing {', '.join(routed) or 'nothing'}, the manifest now "
+                   f"picks {', '.join(now) or 'nothing'}")
             warnings.append(f"route decision for {op} on {rows[0].get('model_name') or model} "
-                            f"is stale (measured routing {', '.join(routed) or 'nothing'}, the "
-                            f"manifest now picks {', '.join(now) or 'nothing'}): left out; "
-                            f"re-run the model-step adjudication")
+                            f"is stale ({why}): left out; re-run the model-step adjudication")
+            if stale_out is not None:
+                stale_out[(model, op)] = why
             continue
         for r in rows:
             ev = r.get("evidence") or {}
