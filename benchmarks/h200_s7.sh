@@ -27,8 +27,10 @@
 #                lost 0.768x wall and the LM head cost ~100 µs per step, since removed from
 #                the seam): `fltune adjudicate --ops linear --per-range` (decode <= 512 vs
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
-#   PHASE=linbench  then the served DB against vanilla with the instrument
-#                (`fltune bench --e2e`, arms vanilla / aa / calibrated). Run in session 9.
+#   PHASE=linbench  the served DB (shipped_db: every decision so far) against vanilla with
+#                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
+#                adds the fixed FL order): issue 11's e2e-summary.json for PROFILE. Run in
+#                session 9 on Qwen3.5's linear decision alone.
 #   PHASE=fijit  (run in session 10; its GDN build outlasted the call: PHASE=fibuild) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
@@ -173,7 +175,7 @@ ir) {
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done
-} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
+} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/e2e-summary-$P.json" 2>/dev/null; pack ;;
 sgab) {
   sgl_install
   python3 -c "import torch, sglang, sgl_kernel; print('torch', torch.__version__, '| sglang', sglang.__version__, '| sgl_kernel', sgl_kernel.__version__)"
@@ -353,14 +355,21 @@ linrange) {
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 linbench) {
-  DB=/tmp/s7/lin.db      # PHASE=linrange's DB, with its per-range decision
-  el "served DB against vanilla"
+  # the served DB (the shipped DB's copy with every decision the earlier phases stored)
+  # against vanilla with its true defaults: issue 11's e2e-summary.json for model P;
+  # FL=1 adds the fixed FL order's arm (every op routed as vllm-plugin-FL would)
+  shipped_db
+  if [ -n "${FL:-}" ]; then
+    python3 -m fltune freeze --db $DB --order fl --out "$W/manifest-fl.json" >/dev/null \
+      && FLARM="--arm fl=manifest:$W/manifest-fl.json:all"
+  fi
+  el "served DB against vanilla ${FLARM:-}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
-    --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB --reps ${REPS:-8} \
+    --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB ${FLARM:-} --reps ${REPS:-8} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done
-} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/" 2>/dev/null; pack ;;
+} 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/e2e-summary-$P.json" 2>/dev/null; pack ;;
 esac

@@ -17,6 +17,19 @@
 #
 #   scripts/build-flashinfer-aot.sh [MODULE ...]     (default: sampling gdn_prefill_sm90)
 #   MAX_JOBS (default: the cores), FIAOT_WORK (default /tmp/fiaot-build)
+#
+# Attention (--attention-backend FLASHINFER on SM90; vLLM's default there is FLASH_ATTN):
+#   attn-hd<N>         the two batch-prefill modules vLLM 0.24's FlashInfer backend JITs on
+#                      SM90 for a bf16 model, kv_cache_dtype auto, no sliding window/soft cap:
+#                      prefill wrapper (backend "auto" -> fa3 on sm90a: uri ..._sm90) and the
+#                      tensor-core decode wrapper (use_tensor_cores=True, backend "auto" -> fa2
+#                      for non-fp8: uri without _sm90), both dtype_idx int32, head_dim N
+#   attn-qwen3-0.6b    = attn-hd128 (Qwen3-0.6B)      attn-qwen3.5 = attn-hd256 (Qwen3.5-0.8B)
+#   (.fiaot/attn-README.txt says why.) These go into their own .fiaot/attn-fiaot.tgz (added to
+#   the modules already in it), which h200_s7.sh's *-fiaot.tgz restore unpacks; fiaot.tgz.part*
+#   and README.txt are then left alone. E.g. (slow: ~1 h per model on 2 cores)
+#   MAX_JOBS=1 nohup nice -n 19 scripts/build-flashinfer-aot.sh attn-qwen3-0.6b attn-qwen3.5 \
+#     > /tmp/fiaot-attn.log 2>&1 &
 # (the sampler includes curand.h: nvidia-curand; versions = what torch 2.11.0+cu130 pins)
 set -euo pipefail
 top=$(git rev-parse --show-toplevel); cd "$top"
@@ -52,10 +65,12 @@ export PATH="$CU/bin:$W/venv/bin:$PATH" CUDA_HOME="$CU" CUDA_VISIBLE_DEVICES=
 export FLASHINFER_CUDA_ARCH_LIST=9.0a FLASHINFER_WORKSPACE_BASE="$W/ws" MAX_JOBS=${MAX_JOBS:-$(nproc)}
 nvcc --version | tail -2
 log "building ${MODS[*]} (MAX_JOBS=$MAX_JOBS)"
-rm -rf "$W/aot" "$W/pack" && mkdir -p "$W/aot" "$W/pack"
-"$W/venv/bin/python" - "$W/src" "$W/aot" "${MODS[@]}" <<'PY'
-import os, shutil, sys, time, types
-src, aot, mods = sys.argv[1], sys.argv[2], sys.argv[3:]
+OTH=(); ATT=()
+for m in "${MODS[@]}"; do case $m in attn-*) ATT+=("$m");; *) OTH+=("$m");; esac; done
+rm -rf "$W/aot" "$W/pack" "$W/aot-attn" "$W/pack-attn" && mkdir -p "$W/aot" "$W/pack" "$W/aot-attn"
+"$W/venv/bin/python" - "$W/src" "$W/aot" "$W/aot-attn" "${MODS[@]}" <<'PY'
+import os, re, shutil, sys, time, types
+src, aot, aot_attn, mods = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 sys.path.insert(0, src)
 # a bare package: flashinfer/__init__.py imports the whole library (and wants a GPU)
 pkg = types.ModuleType("flashinfer"); pkg.__path__ = [os.path.join(src, "flashinfer")]
@@ -63,19 +78,53 @@ sys.modules["flashinfer"] = pkg
 from flashinfer.jit.gdn import gen_gdn_prefill_sm90_module
 from flashinfer.jit.sampling import gen_sampling_module
 gens = {"gdn_prefill_sm90": gen_gdn_prefill_sm90_module, "sampling": gen_sampling_module}
+# attention: the generator calls that get_batch_prefill_module() makes from vLLM 0.24's plan()
+# calls (flashinfer/prefill.py BatchPrefillWithPagedKVCacheWrapper.plan, flashinfer/decode.py
+# BatchDecodeWithPagedKVCacheWrapper.plan with use_tensor_cores): q/kv/o bf16, indptr int32,
+# head_dim_qk = head_dim_vo, PosEncodingMode NONE (0), no sliding window, no logits soft cap,
+# no fp16 qk reduction; decode (fa2) first, then prefill (fa3)
+ALIAS = {"attn-qwen3-0.6b": "attn-hd128", "attn-qwen3.5": "attn-hd256"}
+def attn(backend, hd):
+    import torch
+    from flashinfer.jit.attention.modules import gen_batch_prefill_module
+    return gen_batch_prefill_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                    torch.int32, hd, hd, 0, False, False, False)
+todo = []
 for name in mods:
-    if name not in gens:
-        sys.exit(f"unknown module {name!r}: one of {sorted(gens)} (add its generator here)")
-    spec, t = gens[name](), time.time()
-    assert spec.name == name, (spec.name, name)
+    m = re.fullmatch(r"attn-hd(\d+)", ALIAS.get(name, name))
+    if m:
+        todo += [(lambda b=b, hd=int(m[1]): attn(b, hd), None, aot_attn) for b in ("fa2", "fa3")]
+    elif name in gens:
+        todo.append((gens[name], name, aot))
+    else:
+        sys.exit(f"unknown module {name!r}: one of {sorted(gens)}, attn-hd<N>, {sorted(ALIAS)}"
+                 " (add its generator here)")
+for gen, name, out in todo:
+    spec, t = gen(), time.time()
+    assert name is None or spec.name == name, (spec.name, name)
+    name = spec.name
+    print(f"{name}: {len(spec.sources)} sources ...", flush=True)
     spec.build(verbose=False, need_lock=True)
-    os.makedirs(os.path.join(aot, name), exist_ok=True)      # this run's modules only
-    shutil.copy2(spec.jit_library_path, os.path.join(aot, name, f"{name}.so"))
+    os.makedirs(os.path.join(out, name), exist_ok=True)      # this run's modules only
+    shutil.copy2(spec.jit_library_path, os.path.join(out, name, f"{name}.so"))
     print(f"{name}: {len(spec.sources)} sources, built in {time.time() - t:.0f} s", flush=True)
 PY
+mkdir -p .fiaot
+# attention modules: their own .fiaot/attn-fiaot.tgz (the ones already in it are kept, a module
+# built now replaces its old copy), listed with sizes and sha256 in .fiaot/attn-fiaot.txt
+if [ ${#ATT[@]} -gt 0 ]; then
+  mkdir -p "$W/pack-attn"
+  [ -f .fiaot/attn-fiaot.tgz ] && tar -xzf .fiaot/attn-fiaot.tgz -C "$W/pack-attn"
+  cp -r "$W"/aot-attn/* "$W/pack-attn/"
+  (cd "$W/pack-attn" && tar -czf "$W/attn-fiaot.tgz" */*.so)
+  cp "$W/attn-fiaot.tgz" .fiaot/attn-fiaot.tgz
+  { echo "FlashInfer $FI_VERSION AOT attention modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${ATT[*]}"
+    nvcc --version | tail -1; (cd "$W/pack-attn" && ls -la */*.so && sha256sum */*.so)
+    sha256sum .fiaot/attn-fiaot.tgz; } > .fiaot/attn-fiaot.txt
+fi
+if [ ${#OTH[@]} -eq 0 ]; then log "done: $(ls .fiaot | tr '\n' ' ')"; exit 0; fi
 # modules already in .fiaot/ (built earlier, or on the GPU machine by FlashInfer itself) are
 # kept beside the ones built now; a module built now replaces its old copy
-mkdir -p .fiaot
 if ls .fiaot/fiaot.tgz.part* >/dev/null 2>&1; then
   cat $(ls .fiaot/fiaot.tgz.part* | sort) | tar -xz -C "$W/pack"
 fi
@@ -83,6 +132,6 @@ cp -r "$W"/aot/* "$W/pack/"
 rm -f .fiaot/fiaot.tgz.part*
 (cd "$W/pack" && tar -czf "$W/fiaot.tgz" */*.so)
 split -b 15M -d -a 1 "$W/fiaot.tgz" .fiaot/fiaot.tgz.part
-{ echo "FlashInfer $FI_VERSION AOT modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${MODS[*]}"
+{ echo "FlashInfer $FI_VERSION AOT modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${OTH[*]}"
   nvcc --version | tail -1; (cd "$W/pack" && ls -la */*.so && sha256sum */*.so); } > .fiaot/README.txt
 log "done: $(ls .fiaot | tr '\n' ' ')"
