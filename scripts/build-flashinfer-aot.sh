@@ -118,7 +118,7 @@ if [ ${#ATT[@]} -gt 0 ]; then
   cp -r "$W"/aot-attn/* "$W/pack-attn/"
   (cd "$W/pack-attn" && tar -czf "$W/attn-fiaot.tgz" */*.so)
   cp "$W/attn-fiaot.tgz" .fiaot/attn-fiaot.tgz
-  { echo "FlashInfer $FI_VERSION AOT attention modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${ATT[*]}"
+  { echo "FlashInfer $FI_VERSION AOT attention modules for sm_90a; $(date -Is) scripts/build-flashinfer-aot.sh built: ${ATT[*]} (attn-fiaot.tgz holds all below)"
     nvcc --version | tail -1; (cd "$W/pack-attn" && ls -la */*.so && sha256sum */*.so)
     sha256sum .fiaot/attn-fiaot.tgz; } > .fiaot/attn-fiaot.txt
 fi
