@@ -69,7 +69,8 @@ PY
 du -sh .ve[0-9]* | tr '\n' ' '; echo
 echo "checkout ${tree_kib} KiB, .whl ${whl_kib} KiB. On the GPU machine make these calls back to back"
 echo "(within ~30 s of each other, or it goes cold), each carrying the one folder named; each costs"
-echo "5-25 s of device time (session 13: ~150 s for all on one machine, ~250 s on another), and"
+echo "5-25 s of device time (session 13: ~150 s for all on one machine, ~250 s on another;"
+echo "session 14: ~5 s each, 108 s in all with the cold start, when issued as one batch of calls), and"
 echo "nothing else fits beside a folder: carry .fiaot/ in a call of its own"
 python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
 # (a join runs only where parts are left, so a second try after a failed pip install does
