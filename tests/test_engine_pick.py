@@ -483,3 +483,36 @@ def test_engine_adjudication_end_to_end_on_the_tiny_model(tmp_path):
     finally:
         c.close()
     assert (row["choice"], row["value"]) == ("attention_backend", doc["value"])
+
+
+def test_flashinfer_attention_module_names_are_the_prebuilt_ones(tmp_path, monkeypatch):
+    """The names fltune expects vLLM's FLASHINFER backend to JIT (head 128 and 256, bf16)
+    are exactly the modules packed in benchmarks/flashinfer-aot/attn-fiaot.tgz; the listing's
+    note names those not found prebuilt, and none once all are there."""
+    import tarfile
+
+    import torch
+
+    from fltune.evaluate.e2e import flashinfer_attention_modules
+    from fltune.evaluate.engine_pick import flashinfer_jit_note
+
+    tgz = Path(__file__).resolve().parents[1] / "benchmarks" / "flashinfer-aot" / "attn-fiaot.tgz"
+    with tarfile.open(tgz) as t:
+        packed = {m.name for m in t.getmembers() if m.isfile()}
+    want = flashinfer_attention_modules(128) + flashinfer_attention_modules(256)
+    assert packed == {f"{n}/{n}.so" for n in want}
+    # a FlashInfer package whose AOT directory holds one of head 128's two modules
+    pkg = tmp_path / "flashinfer"
+    (pkg / "__init__.py").parent.mkdir()
+    (pkg / "__init__.py").write_text("")
+    have, missing = flashinfer_attention_modules(128)
+    (pkg / "data" / "aot" / have).mkdir(parents=True)
+    (pkg / "data" / "aot" / have / f"{have}.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    note = flashinfer_jit_note(["FLASH_ATTN", "FLASHINFER"], 128, torch.bfloat16)
+    assert note and "1 attention module" in note and missing in note and f"{have}," not in note
+    assert flashinfer_jit_note(["FLASH_ATTN", "TRITON_ATTN"], 128, torch.bfloat16) is None
+    (pkg / "data" / "aot" / missing).mkdir(parents=True)
+    (pkg / "data" / "aot" / missing / f"{missing}.so").write_bytes(b"")
+    assert flashinfer_jit_note(["FLASHINFER"], 128, torch.bfloat16) is None

@@ -179,6 +179,19 @@ def flashinfer_module_prebuilt(name: str = GDN_PREFILL_MODULE) -> bool:
                                        "cached_ops", name, f"{name}.so")))
 
 
+def flashinfer_attention_modules(head_dim: int, dtype: str = "bf16") -> list[str]:
+    """FlashInfer 0.6.12's JIT modules that vLLM 0.24's FLASHINFER attention backend builds on
+    SM90 for a model of this head size and dtype (KV cache ``auto``, no sliding window or
+    soft cap): the tensor-core decode wrapper's fa2 batch-prefill module and the prefill
+    wrapper's fa3 one (``_sm90``); names as ``flashinfer.jit.attention.modules.
+    get_batch_prefill_uri`` writes them (``benchmarks/flashinfer-aot/attn-README.txt`` has
+    the source evidence). A minutes-long JIT at an arm's start unless prebuilt."""
+    base = (f"batch_prefill_with_kv_cache_dtype_q_{dtype}_dtype_kv_{dtype}_dtype_o_{dtype}"
+            f"_dtype_idx_i32_head_dim_qk_{head_dim}_head_dim_vo_{head_dim}_posenc_0"
+            f"_use_swa_False_use_logits_cap_False_f16qk_False")
+    return [base, base + "_sm90"]
+
+
 def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
     """The engine arguments every arm gets, and notes on the stand-ins among them.
 

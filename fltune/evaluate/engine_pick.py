@@ -179,6 +179,30 @@ def _cli_choices(dest: str) -> Optional[list]:
     return None
 
 
+def flashinfer_jit_note(values: list, head: int, dtype) -> Optional[str]:
+    """Where FLASHINFER is offered and its attention modules are not prebuilt here, a note:
+    its arm's engine start JIT-compiles them (minutes on an H200: not step time, but the
+    run's time limit pays it; session 14 cross-built head 128/256 bf16 without a GPU)."""
+    import torch
+
+    from .e2e import flashinfer_attention_modules, flashinfer_module_prebuilt
+
+    if "FLASHINFER" not in values:
+        return None
+    name = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(dtype)
+    if name is None:
+        return None
+    missing = [m for m in flashinfer_attention_modules(head, name)
+               if not flashinfer_module_prebuilt(m)]
+    if not missing:
+        return None
+    return (f"FLASHINFER JIT-compiles {len(missing)} attention module(s) at its arm's start "
+            f"(minutes on an H200; not counted as step time, but the run's time limit pays "
+            f"it): {', '.join(missing)}; prebuilt copies for head 128/256 bf16 SM90 are in "
+            f"benchmarks/flashinfer-aot/attn-fiaot.tgz (unpack into FlashInfer's AOT "
+            f"directory, as benchmarks/h200_s7.sh does)")
+
+
 def _list_attention(cfg: dict, device_type: str) -> Listing:
     """The attention backends vLLM's platform validates for the model's attention layers
     (head size, dtype; KV cache dtype ``auto``, block size left to vLLM), in vLLM's
@@ -205,6 +229,9 @@ def _list_attention(cfg: dict, device_type: str) -> Listing:
         out.notes.append("validated for head size and dtype; vLLM may still refuse a value "
                          "for the block size the model's KV cache needs: that arm then fails "
                          "to start and is recorded unmeasured")
+        note = flashinfer_jit_note(out.values, int(head), _dtype(cfg))
+        if note:
+            out.notes.append(note)
         return out
     path = current_platform.get_attn_backend_cls(None, sel)
     by_path = {}
