@@ -59,7 +59,7 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
         engine_picks = engine_picks_doc(db.engine_picks(dev["device_key"], dev["driver"]))
     finally:
         db.close()
-    if decisions:
+    if decisions and winners:           # (no winners: no manifest, and nothing it drops)
         # a decision measured with picks a later calibration changed still sits in the DB,
         # but freeze leaves it out (the op stays on vLLM's path until re-adjudicated): the
         # report must not show it as in force
