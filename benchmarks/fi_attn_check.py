@@ -43,8 +43,10 @@ def paged(k, v):
     n = k.shape[0]
     pages = (n + PAGE - 1) // PAGE
     cache = torch.zeros(pages, 2, PAGE, k.shape[1], k.shape[2], dtype=k.dtype, device=k.device)
-    flat = cache.view(pages * PAGE, 2, k.shape[1], k.shape[2])
-    flat[:n, 0], flat[:n, 1] = k, v
+    for i, t in ((0, k), (1, v)):
+        flat = torch.zeros(pages * PAGE, k.shape[1], k.shape[2], dtype=k.dtype, device=k.device)
+        flat[:n] = t
+        cache[:, i] = flat.view(pages, PAGE, k.shape[1], k.shape[2])
     dev = k.device
     indptr = torch.tensor([0, pages], dtype=torch.int32, device=dev)
     indices = torch.arange(pages, dtype=torch.int32, device=dev)
