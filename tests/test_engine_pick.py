@@ -377,6 +377,58 @@ def test_adjudication_runs_one_arm_per_value_against_vllms_default_and_stores_it
     assert ev["reps"] == 3 and ev["command"] == "test" and row["vllm"]
 
 
+def test_a_later_run_of_other_values_keeps_the_earlier_values_evidence(picked, tmp_path):
+    """Racing FLASHINFER after TRITON_ATTN (H200, sessions 14 and 15) replaced the row and
+    lost TRITON_ATTN's evidence. Now a value the later run does not race is carried with
+    its own verdict and points, marked with its run's date and command, and the decision
+    is taken over every value measured; a value the later run races again is replaced;
+    on another software stack nothing is carried."""
+    from fltune.evaluate import e2e, engine_pick
+    from fltune.evaluate import report
+
+    plain, _, _, _ = picked
+    db = tmp_path / "later.db"
+    db.write_bytes(plain.read_bytes())
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
+
+    def run(values, verdicts, command):
+        return engine_pick.adjudicate_engine(
+            str(db), str(FIXTURE), "attention_backend", values, device_type="cpu",
+            scenarios=scen, reps=3, warmup=1, command=command, compile_aa=False,
+            measure=_recorded(verdicts, []))
+
+    first = run(["CPU_ATTN"], {"attention_backend=CPU_ATTN": (1.02, 1.05)}, "first")
+    assert (first["decision"], first["value"]) == ("pick", "CPU_ATTN")
+    later = run(["FLEX_ATTENTION"], {"attention_backend=FLEX_ATTENTION": (0.97, 1.01)},
+                "later")
+    vals = later["evidence"]["values"]
+    assert set(vals) == {"CPU_ATTN", "FLEX_ATTENTION"}
+    assert vals["CPU_ATTN"]["carried"]["command"] == "first"
+    assert vals["CPU_ATTN"]["points"][0]["ci_low"] == 1.02
+    assert "carried" not in vals["FLEX_ATTENTION"]
+    # the earlier value still wins: the later run's value is a tie
+    assert (later["decision"], later["value"]) == ("pick", "CPU_ATTN")
+    assert "earlier run" in later["reason"]
+    (e,) = report.build(str(db))["engine_picks"]
+    assert e["values"]["CPU_ATTN"]["carried_from"] and e["values"]["FLEX_ATTENTION"][
+        "carried_from"] is None
+
+    # the earlier value raced again: its new points replace the carried ones
+    again = run(["CPU_ATTN"], {"attention_backend=CPU_ATTN": (0.95, 0.98)}, "again")
+    vals = again["evidence"]["values"]
+    assert "carried" not in vals["CPU_ATTN"] and vals["FLEX_ATTENTION"]["carried"][
+        "command"] == "later"
+    assert again["decision"] == "default"
+
+    # another stack (e.g. a newer vLLM): the old evidence describes code that no longer runs
+    con = sqlite3.connect(db)
+    con.execute("update engine_picks set stack_key = 'other'")
+    con.commit()
+    con.close()
+    fresh = run(["CPU_ATTN"], {"attention_backend=CPU_ATTN": (1.02, 1.05)}, "fresh")
+    assert set(fresh["evidence"]["values"]) == {"CPU_ATTN"}
+
+
 def test_pick_round_trips_db_manifest_fingerprint_and_serve_args(picked):
     import io
 

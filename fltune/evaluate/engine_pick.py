@@ -407,14 +407,19 @@ def available(choice: str, model: str, device_type: Optional[str] = None) -> Lis
 
 # ---- the decision --------------------------------------------------------------------------
 
-def judge(per_value: dict, floors: Optional[dict] = None) -> tuple:
+def judge(per_value: dict, floors: Optional[dict] = None,
+          given: Optional[dict] = None) -> tuple:
     """(decision, value, reason, verdicts) from ``per_value``: value -> its arm's e2e
     points. Each value is judged by ``model_step.decide`` (verdicts: value -> (decision,
     reason)); among those it would route ('faster somewhere, slower nowhere'), the one
     with the highest geometric mean of ratio medians (kernel-time ratios where every point
     has one, else wall-time) is picked; none -> ('default', ``auto``). ``floors``: the
-    compile A/A's kernel floors per scenario (``model_step.kernel_floors``)."""
-    verdicts = {v: decide(pts, floors) for v, pts in per_value.items()}
+    compile A/A's kernel floors per scenario (``model_step.kernel_floors``). ``given``:
+    value -> (decision, reason) already decided in an earlier run against that run's own
+    vanilla and floors (:func:`carried_values`), taken as they are, not re-judged here."""
+    given = given or {}
+    verdicts = {v: given[v] if v in given else decide(pts, floors)
+                for v, pts in per_value.items()}
     passing = [v for v, (d, _) in verdicts.items() if d == "route"]
 
     def gmean(v):
@@ -504,9 +509,19 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
     floors, compile_evidence = model_step.compile_aa_outcome(result, scenarios)
     gaps = compile_evidence["missing"] if compile_aa else []
-    decision, value, reason, verdicts = judge(per_value, floors)
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
+    me = devmod.current(device_type)
+    stack = devmod.stack()
+    db = CalibrationDB(db_path, create=False)
+    try:
+        carried = carried_values(db, me, key, choice, values, devmod.stack_key(stack))
+    finally:
+        db.close()
+    decision, value, reason, verdicts = judge(
+        {**{v: ev.get("points") or [] for v, ev in carried.items()}, **per_value}, floors,
+        given={v: (ev.get("verdict"), f"{ev.get('reason')} [{_earlier(ev)}]")
+               for v, ev in carried.items()})
     scen = [_scenario_json(s) for s in scenarios]
     ev_values = {}
     for v in values:
@@ -517,7 +532,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                         "error": a.get("error") if isinstance(a, dict) else None,
                         # what the worker's vLLM config says it was given
                         "seen": _seen(a)}
-    evidence = {"values": ev_values, "baseline": {"arm": BASELINE_ARM,
+    evidence = {"values": {**carried, **ev_values}, "baseline": {"arm": BASELINE_ARM,
                                                   "overlay": ch.overlay(DEFAULT)},
                 "listing": listing.to_json() if listing else None, "scenarios": scen,
                 "reps": getattr(result, "reps", reps), "reps_asked": reps,
@@ -527,8 +542,6 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                 "value_rule": model_step.RULE,
                 "compile_aa": compile_evidence if compile_aa else None,
                 "model": src, "engine_notes": getattr(result, "engine_notes", None)}
-    me = devmod.current(device_type)
-    stack = devmod.stack()
     row = {"device_key": me["device_key"], "driver": me["driver"], "model": key,
            "model_name": src, "choice": choice, "decision": decision, "value": value,
            "reason": reason, "evidence": evidence, "rule": RULE, "vllm": stack.get("vllm"),
@@ -545,6 +558,44 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
             "values": values, "decision": decision, "value": value, "reason": reason,
             "scenarios": scen, "reps": reps, "warmup": warmup, "command": command,
             "warnings": gaps, "evidence": evidence}
+
+
+def carried_values(db, me: dict, key: str, choice: str, raced: Sequence[str],
+                   stack_key: str) -> dict:
+    """value -> evidence entry of the values an earlier adjudication of ``choice`` for this
+    model on this device measured and this one did not race, each marked ``carried`` with
+    when and by which command it was measured.
+
+    Why: one row holds a choice's decision, and a later run that races another subset of
+    the values (session 15 raced FLASHINFER after session 14's TRITON_ATTN) would replace
+    it, losing the earlier values' evidence and deciding as if they had never been
+    measured. Each value's points are its own arm against that run's vanilla, so they
+    stay valid beside a later run's on the same software stack; on another stack (vLLM,
+    torch, fltune versions: ``stack_key``) they are not carried (they describe code that no
+    longer runs) and that run's command is the way to measure them again."""
+    old = [r for r in db.engine_picks(me["device_key"], me["driver"], key)
+           if r.get("choice") == choice]
+    return carried_from(old[0], raced, stack_key) if old else {}
+
+
+def carried_from(r: dict, raced: Sequence[str], stack_key: str) -> dict:
+    """:func:`carried_values` of one stored row ``r`` (``CalibrationDB.engine_picks``)."""
+    if r.get("stack_key") != stack_key:
+        return {}
+    ev = r.get("evidence") or {}
+    return {v: {**e, "carried": e.get("carried") or {
+                "created_at": r.get("created_at"), "command": ev.get("command"),
+                "reps": ev.get("reps"), "compile_aa": ev.get("compile_aa")}}
+            for v, e in (ev.get("values") or {}).items() if v not in raced}
+
+
+def _earlier(ev: dict) -> str:
+    """'measured in an earlier run (DATE)' for a carried value's reason."""
+    import time as _t
+
+    at = (ev.get("carried") or {}).get("created_at")
+    when = _t.strftime("%Y-%m-%d", _t.gmtime(at)) if isinstance(at, (int, float)) else "?"
+    return f"measured in an earlier run, {when}"
 
 
 def _seen(arm_info) -> Optional[dict]:

@@ -167,6 +167,8 @@ def engine_picks_doc(rows: list) -> list:
                     "decided_at": r.get("created_at"), "reps": ev.get("reps"),
                     "command": ev.get("command"),
                     "values": {v: {"verdict": e.get("verdict"),
+                                   # measured by an earlier run (engine_pick.carried_values)
+                                   "carried_from": (e.get("carried") or {}).get("created_at"),
                                    "points": [{k: p.get(k) for k in (
                                        "scenario", "n", "ratio_median", "ci_low", "ci_high",
                                        "kernel_us_arm", "kernel_us_vanilla")}
