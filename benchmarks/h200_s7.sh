@@ -29,8 +29,9 @@
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
 #   PHASE=linbench  the served DB (shipped_db: every decision so far) against vanilla with
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
-#                adds the fixed FL order): issue 11's e2e-summary.json for PROFILE. Run in
-#                session 9 on Qwen3.5's linear decision alone.
+#                adds the fixed FL order, HOSTPROF=1 each arm's host time per Python
+#                function beyond vanilla's): issue 11's e2e-summary.json for PROFILE (run in
+#                session 9 on Qwen3.5's linear decision alone, in session 15 on the shipped DB).
 #   PHASE=fijit  (run in session 10; its GDN build outlasted the call: PHASE=fibuild) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
 #                it: this script unpacks them into FlashInfer's AOT directory first).
@@ -367,7 +368,14 @@ linbench) {
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB ${FLARM:-} --reps ${REPS:-8} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
-    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
+  [ -n "${HOSTPROF:-}" ] && python3 -c "
+import json; d = json.load(open('$W/e2e-summary.json'))
+for sc, per in (d.get('host_extra') or {}).items():
+    for arm, x in per.items():
+        print(sc, arm, {k: x.get(k) for k in ('run_s_arm', 'run_s_baseline', 'own_time_extra_us')})
+        for f in x.get('functions') or []: print('   ', round(f['extra_us']), f['func'][:150])"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done

