@@ -300,6 +300,113 @@ def test_adjudicate_per_range_writes_ranges_and_freeze_carries_them(cal_db, tmp_
         ("fused_add_rms_norm", None), ("rms_norm", None), ("silu_and_mul", None)]
 
 
+def test_a_split_is_confirmed_as_served_or_made_native(cal_db, tmp_path):
+    """``confirm``: an op split per range (rms_norm: route at 1-512, native above) is
+    measured a second time as it will be served — one ``served:OP`` arm on a copy of the DB
+    whose only decisions for the model are that op's new rows — and stays split only if that
+    is not measurably slower anywhere (on the H200 the served split of Qwen3-0.6B's linear
+    ran prefill 2048 23 % slower by wall time with equal kernels); an op not split is not
+    measured again; a confirmation that measured nothing keeps the split and says so."""
+    import shutil
+
+    from fltune.evaluate import model_step
+    from fltune.freeze import build_manifest
+
+    def run(served: dict, name: str):
+        db = tmp_path / f"{name}.db"
+        shutil.copy(cal_db, db)
+        calls: list = []
+        doc = model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=3,
+                                    warmup=1, command="test", per_range=(512,),
+                                    confirm=True, out_dir=str(tmp_path / name),
+                                    measure=_measure({**VERDICTS, **served}, calls))
+        return db, doc, calls
+
+    # not slower: the split stays, with the as-served evidence
+    db, doc, calls = run({"served:rms_norm": {"decode_b1": (1.01, 1.05),
+                                              "prefill_1024": (0.97, 1.02)}}, "kept")
+    assert len(calls) == 2
+    assert [a.name for a in calls[1]["arms"]] == ["vanilla", "served:rms_norm"]  # split only
+    served_db = calls[1]["arms"][1].env["FLTUNE_DB"]
+    assert Path(served_db).parent == tmp_path / "kept" / "as-served"
+    c = CalibrationDB(served_db, create=False)
+    try:
+        dev = c.devices()[0]
+        rows = c.route_decisions(dev["device_key"], dev["driver"])
+    finally:
+        c.close()
+    assert {(r["op"], r["min_tokens"], r["max_tokens"], r["decision"]) for r in rows} == {
+        ("rms_norm", 1, 512, "route"), ("rms_norm", 513, None, "native")}
+    got = {(d["op"], d["min_tokens"]): d for d in doc["decisions"]}
+    assert got[("rms_norm", 1)]["decision"] == "route"
+    assert got[("rms_norm", 1)]["evidence"]["as_served"]["verdict"] == "not slower"
+    assert "as_served" not in got[("silu_and_mul", 1)]["evidence"]
+    assert doc["confirmation"]["ops"] == ["rms_norm"]
+
+    # slower as served (prefill wall CI below 1): native at every size, both runs' evidence
+    db, doc, _ = run({"served:rms_norm": {"decode_b1": (1.01, 1.05),
+                                          "prefill_1024": (0.74, 0.88)}}, "slower")
+    mine = [d for d in doc["decisions"] if d["op"] == "rms_norm"]
+    assert [(d["decision"], d["min_tokens"], d["max_tokens"]) for d in mine] == [
+        ("native", 1, None)]
+    assert "as served" in mine[0]["reason"] and "prefill_1024 wall CI [0.740, 0.880]" in \
+        mine[0]["reason"]
+    ev = mine[0]["evidence"]
+    assert ev["as_served"]["slower_at"] == ["prefill_1024"]
+    assert [r["decision"] for r in ev["split_rows"]] == ["route", "native"]
+    assert sorted(p["scenario"] for p in ev["points"]) == ["decode_b1", "prefill_1024"]
+    m, _ = build_manifest(str(db))
+    assert [(r["op"], r["decision"], r.get("min_tokens")) for r in m["route_decisions"]
+            if r["op"] == "rms_norm"] == [("rms_norm", "native", None)]
+
+    # nothing measured as served (the arm gave no point): kept, unconfirmed, said so
+    calls = []
+    db = tmp_path / "nothing.db"
+    shutil.copy(cal_db, db)
+
+    def measure(model, arms, scenarios, **kw):
+        calls.append(arms)
+        if len(calls) == 2:
+            return SimpleNamespace(points=[], arms_info={})
+        return _measure(VERDICTS, [])(model, arms, scenarios, **kw)
+
+    doc = model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=3,
+                                warmup=1, command="test", per_range=(512,), confirm=True,
+                                measure=measure)
+    got = {(d["op"], d["min_tokens"]): d["decision"] for d in doc["decisions"]}
+    assert got[("rms_norm", 1)] == "route" and got[("rms_norm", 513)] == "native"
+    assert any("rms_norm" in w and "unconfirmed" in w for w in doc["warnings"])
+
+
+def test_the_time_limit_is_shared_with_the_as_served_run(cal_db, tmp_path, monkeypatch):
+    """FLTUNE_E2E_TIME_LIMIT is per instrument run, and a GPU call has one limit: with the
+    confirmation on, the first run gets 60 % and the as-served run what is left; too little
+    left and the split is kept unconfirmed, with a warning, instead of a killed call."""
+    import shutil
+
+    from fltune.evaluate import model_step
+
+    for limit, runs in ((400.0, 2), (80.0, 1)):
+        monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", str(limit))
+        db = tmp_path / f"{int(limit)}.db"
+        shutil.copy(cal_db, db)
+        kws: list = []
+        rec = _measure({**VERDICTS, "served:rms_norm": VERDICTS["only:rms_norm"]}, [])
+
+        def measure(model, arms, scenarios, **kw):
+            kws.append(kw.get("time_limit_s"))
+            return rec(model, arms, scenarios, **kw)
+
+        doc = model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=3,
+                                    warmup=1, command="test", per_range=(512,),
+                                    confirm=True, measure=measure)
+        assert len(kws) == runs and kws[0] == pytest.approx(0.6 * limit)
+        if runs == 2:
+            assert limit * 0.9 < kws[1] <= limit
+        else:
+            assert any("time limit left" in w for w in doc["warnings"])
+
+
 def test_report_renders_the_range_column():
     import io
 

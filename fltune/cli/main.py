@@ -557,7 +557,9 @@ def cmd_adjudicate(a) -> int:
                                      seamed=SEAMED_OPS | LINEAR_SEAMED, out_dir=a.out,
                                      progress=progress, engine=engine,
                                      command=command, per_range=per_range,
-                                     compile_aa=_compile_aa(a))
+                                     compile_aa=_compile_aa(a),
+                                     confirm={"auto": None, "on": True, "off": False}[
+                                         getattr(a, "confirm", "auto")])
 
     doc = _interruptible((run, _measured_only("adjudicate")))
     if a.out:
@@ -1098,6 +1100,11 @@ def _add_verify(sub) -> None:
                         "Inductor's autotuning, widens the 1%% kernel floor per scenario "
                         "(an arm that differs from vanilla compiles the model itself). "
                         "auto: on CUDA")
+    c.add_argument("--confirm", choices=["auto", "on", "off"], default="auto",
+                   help="--per-range: an op split (route in some token ranges, vLLM's path "
+                        "in others) is measured once more as it will be served, against "
+                        "vanilla; measurably slower anywhere makes it native at every size "
+                        "(the split compiles each range apart). auto: on CUDA")
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.set_defaults(fn=cmd_adjudicate)

@@ -63,9 +63,13 @@ scenario ``decode_bN`` runs N tokens per step, its single prefill step a small s
 a prefill scenario batch x prompt length) into the ranges between the edges, and
 :func:`decide` is applied to each range's points alone. A range no scenario falls in is
 ``native`` (unmeasured). This reads each scenario's own point as the evidence for its range,
-which assumes no interaction across ranges: it holds because each range is its own compiled
-graph (a step runs exactly one of them), so routing the op in one range changes nothing in
-another's. ``--per-range bands`` splits each op at its own frozen bands' edges between
+which assumes no interaction across ranges: each range is its own compiled graph (a step
+runs exactly one of them). That is not the whole story: splitting adds a compile range, so
+the native range's graph is compiled apart from the routed one, no longer vanilla's graph
+(on the H200, session 15, Qwen3-0.6B's split ``linear`` served a 2048-token prefill 23 %
+slower by wall time with vanilla's kernels). So on CUDA a split op is measured once more as
+it will be served (:func:`confirm_split`, ``confirm``), and kept split only if that is not
+measurably slower anywhere; otherwise it is native at every size. ``--per-range bands`` splits each op at its own frozen bands' edges between
 vLLM's path and another pick (:func:`band_edges`). The default split, :data:`DEFAULT_RANGE_EDGES` (512: decode at or below, prefill
 above), is vLLM's default largest CUDA-graph capture size: up to it vLLM replays captured
 graphs and a routed op's host cost is paid once at capture; above it every call pays it
@@ -80,8 +84,10 @@ the plugin's default route mode follows them for the served model.
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+import time
 from typing import Callable, Optional
 
 from ..dispatch.manifest import Manifest, is_native, model_key
@@ -325,7 +331,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
                progress: Optional[Callable] = None, measure: Optional[Callable] = None,
                command: Optional[str] = None, per_range=None,
-               compile_aa: Optional[bool] = None) -> dict:
+               compile_aa: Optional[bool] = None,
+               confirm: Optional[bool] = None) -> dict:
     """Measure and store the routing decisions of ``model`` (a profile name, a config
     directory or config.json) on this device, from the calibration DB ``db_path``.
 
@@ -337,7 +344,9 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     whole range. Returns the document: device, model, model key, rule, scenarios, reps, and
     one decision per op (per op and range) with its evidence, as written to the DB in one
     transaction. ``compile_aa``: add the compile A/A arm (module docstring); None = on CUDA
-    (:func:`compile_aa_default`)."""
+    (:func:`compile_aa_default`). ``confirm``: an op split per range (route in some ranges,
+    native in others) is measured once more as it will be served (:func:`confirm_split`);
+    None = on CUDA, where vLLM compiles per range."""
     from . import e2e
 
     measure = measure or e2e.run_e2e
@@ -365,6 +374,13 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     points: dict = {op: [] for op in to_measure}
     if compile_aa is None:
         compile_aa = compile_aa_default(dev["device_type"])
+    if confirm is None:
+        confirm = compile_aa_default(dev["device_type"])
+    # a time limit (FLTUNE_E2E_TIME_LIMIT, per instrument run) shared with the as-served
+    # run: the first gets 60 % of it (it has the more arms), the second what is left
+    limit = float(os.environ.get("FLTUNE_E2E_TIME_LIMIT") or 0) or None
+    t_start = time.monotonic()
+    shared = {"time_limit_s": 0.6 * limit} if limit and confirm and per_range else {}
     if to_measure:
         arms = [e2e.Arm("vanilla", {})] + [
             e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
@@ -372,7 +388,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             [e2e.Arm(COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV))] if compile_aa else [])
         result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
                          engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
-                         progress=progress)
+                         progress=progress, **shared)
         got = getattr(result, "points", result)
         for p in got:
             name = p.get("arm", "")
@@ -426,6 +442,14 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                          "evidence": {**evidence, "points": mine, "range_edges": op_edges,
                                       "scenario_tokens": {s["name"]: scenario_tokens(s)
                                                           for s in scen}}})
+    confirmation = None
+    if confirm and edges is not None:
+        left = limit - (time.monotonic() - t_start) if limit else None
+        rows, confirmation = confirm_split(
+            db_path, model, rows, scenarios, floors, measure=measure, reps=reps,
+            warmup=warmup, engine=engine, kernel_profile=kernel_profile,
+            out_dir=out_dir, progress=progress, time_limit_s=left)
+        warnings = list(warnings) + confirmation.get("warnings", [])
     db = CalibrationDB(db_path, create=False, write=True)
     try:
         db.record_route_decisions(rows)
@@ -436,9 +460,165 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             "model": src, "model_key": key, "rule": RULE, "scenarios": scen, "reps": reps,
             "warmup": warmup, "command": command, "warnings": warnings,
             "range_edges": edges, "compile_aa": compile_evidence,
+            "confirmation": confirmation,
             "decisions": [{k: r[k] for k in ("op", "decision", "reason", "evidence",
                                              "min_tokens", "max_tokens")}
                           for r in rows]}
+
+
+def split_ops(rows: list) -> list:
+    """The ops whose rows route in some token ranges and not in others."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["op"], set()).add(r["decision"] == "route")
+    return sorted(op for op, kinds in by.items() if kinds == {True, False})
+
+
+def slower_where(points: list, floors: Optional[dict] = None) -> list:
+    """The points measurably slower than vanilla by the routing rule's own tests: a kernel
+    CI below 1 minus the scenario's floor (kernel CIs of enough rounds), or a wall CI below
+    1. Points of too few repetitions are not read (:data:`MIN_REPS`)."""
+    out = []
+    for p in points:
+        if p.get("ci_low") is None or (p.get("n") is not None and p["n"] < MIN_REPS):
+            continue
+        floor = max(KERNEL_FLOOR, (floors or {}).get(p["scenario"], 0.0))
+        k = (p.get("kernel_ci_high") is not None
+             and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS
+             and p["kernel_ci_high"] < 1.0 - floor)
+        if k or p["ci_high"] < 1.0:
+            out.append(p)
+    return out
+
+
+def _served_db(db_path: str, rows: list, op: str, where: str) -> str:
+    """A copy of ``db_path`` at ``where`` whose route decisions for this model are ``op``'s
+    new rows alone: served by the plugin's default rule it routes ``op`` as split, every other
+    op of the model stays on vLLM's path (an op without a decision, the model's others
+    measured), so the arm measures this split and nothing else."""
+    import sqlite3
+
+    src = sqlite3.connect(db_path)
+    dst = sqlite3.connect(where)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    mine = [r for r in rows if r["op"] == op]
+    db = CalibrationDB(where, create=False, write=True)
+    try:
+        with db.transaction():
+            db.db.execute("delete from route_decisions where model=?", [mine[0]["model"]])
+        db.record_route_decisions(mine)
+    finally:
+        db.close()
+    return where
+
+
+#: seconds of a time limit below which the as-served run is not started (two engine
+#: starts and a few repetitions)
+CONFIRM_MIN_S = 90.0
+
+
+#: the arm that serves one split op as decided (:func:`confirm_split`)
+def served_arm_name(op: str) -> str:
+    return f"served:{op}"
+
+
+def confirm_split(db_path: str, model: str, rows: list, scenarios: list, floors, *,
+                  measure: Callable, reps: int, warmup: int, engine=None,
+                  kernel_profile=None, out_dir=None, progress=None,
+                  time_limit_s: Optional[float] = None) -> tuple:
+    """Measure each op split per range the way it will be served, and keep the split only
+    where that is not measurably slower than vanilla. Returns (rows, confirmation).
+
+    Why: the per-range decision reads each scenario's point of the arm that routes the op at
+    every size as its range's evidence, assuming a range's graph does not change when
+    another range routes (module docstring). On the H200 (session 15) Qwen3-0.6B's
+    ``linear``, routed at 1-512 tokens and vLLM's ``mm`` above, served a 2048-token prefill
+    with vanilla's kernels at 2 % less kernel time and still 23 % slower by wall time
+    (0.769 [0.739, 0.882], n=3): the split is one more compile range, and the native range's
+    graph is then compiled apart from the routed one — another graph than vanilla's. So the
+    split as served is measured too: one arm per split op (``served:OP``: a copy of the DB
+    with that op's new rows as the model's only decisions, the plugin's default rule)
+    against vanilla, judged with the same floors; measurably slower anywhere
+    (:func:`slower_where`) makes the op native over the whole range, with both runs'
+    evidence. A confirmation that measured nothing (a failed arm, too few repetitions)
+    keeps the split and says so (``warnings``), as does a time limit (``time_limit_s``: what
+    the adjudication's limit left) too short for it."""
+    import tempfile
+
+    from . import e2e
+
+    ops_ = split_ops(rows)
+    if not ops_:
+        return rows, {"ops": [], "why": "no op split per range"}
+    if time_limit_s is not None and time_limit_s < CONFIRM_MIN_S:
+        return rows, {"ops": ops_, "why": "time limit", "warnings": [
+            f"{', '.join(ops_)}: {time_limit_s:.0f} s of the time limit left, under "
+            f"{CONFIRM_MIN_S:.0f}: the split as served was not measured; kept unconfirmed"]}
+    work = os.path.join(out_dir, "as-served") if out_dir else tempfile.mkdtemp(
+        prefix="fltune-served-")
+    os.makedirs(work, exist_ok=True)
+    arms = [e2e.Arm("vanilla", {})] + [
+        e2e.Arm(served_arm_name(op), {"FLTUNE_DB": _served_db(
+            db_path, rows, op, os.path.join(work, f"served-{op}.db"))}) for op in ops_]
+    result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
+                     engine=engine, kernel_profile=kernel_profile, out_dir=work,
+                     progress=progress, **({"time_limit_s": time_limit_s}
+                                           if time_limit_s is not None else {}))
+    got = getattr(result, "points", result) or []
+    doc, warns = {"ops": ops_, "reps": getattr(result, "reps", reps), "results": {}}, []
+    for op in ops_:
+        pts = [p for p in got if p.get("arm") == served_arm_name(op)]
+        slow = slower_where(pts, floors)
+        read = [p for p in pts if p.get("n") is None or p["n"] >= MIN_REPS]
+        verdict = ("slower" if slow else "not slower" if read else "inconclusive")
+        doc["results"][op] = {"verdict": verdict, "points": pts,
+                              "slower_at": [p["scenario"] for p in slow]}
+        if verdict == "inconclusive":
+            warns.append(f"{op}: the split as served was not measured (no point with "
+                         f"{MIN_REPS}+ repetitions): kept unconfirmed")
+    doc["warnings"] = warns
+    return settle_split(rows, doc["results"]), doc
+
+
+def settle_split(rows: list, results: dict) -> list:
+    """``rows`` (one adjudication's, per op and range) with each split op's as-served result
+    applied (``results``: op -> {"verdict": "slower" | "not slower" | "inconclusive",
+    "points", "slower_at"}): slower makes the op one native row over the whole range (the
+    split kept in ``split_rows``, every range's points kept); otherwise the rows stay, with
+    the result as ``as_served`` evidence. Ops without a result are left as they are."""
+    out = []
+    for op in sorted({r["op"] for r in rows}):
+        mine = sorted((r for r in rows if r["op"] == op),
+                      key=lambda r: r.get("min_tokens") or 1)
+        res = results.get(op)
+        if res is None:
+            out += mine
+            continue
+        if res["verdict"] != "slower":
+            out += [{**r, "evidence": {**r["evidence"], "as_served": res}} for r in mine]
+            continue
+        split = ", ".join(f"{'route' if r['decision'] == 'route' else 'native'} "
+                          f"{r['min_tokens']}-{r['max_tokens'] or ''}" for r in mine)
+        where = ", ".join(
+            f"{p['scenario']} wall CI [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
+            + (f" kernel CI [{p['kernel_ci_low']:.3f}, {p['kernel_ci_high']:.3f}]"
+               if p.get("kernel_ci_low") is not None else "")
+            for p in res["points"] if p["scenario"] in res["slower_at"])
+        first = mine[0]
+        out.append({**first, "decision": "native", "min_tokens": 1, "max_tokens": None,
+                    "reason": (f"the split as served ({split}) is measurably slower than "
+                               f"vanilla: {where}; vLLM's path at every size"),
+                    "evidence": {**first["evidence"], "as_served": res,
+                                 "points": [p for r in mine for p in r["evidence"]["points"]],
+                                 "split_rows": [{k: r[k] for k in ("decision", "reason",
+                                                                   "min_tokens",
+                                                                   "max_tokens")}
+                                                for r in mine]}})
+    return out
 
 
 def _served_config(model: str, cfg: dict) -> dict:
