@@ -112,7 +112,11 @@ pack_fi() {
 }
 # the phases' common DB: /tmp/s7/lin.db, a copy of the shipped DB until a phase writes to it
 # (session 12 on; kept while the machine is warm, so phases build on each other)
-shipped_db() { DB=/tmp/s7/lin.db; [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB; }
+# DBSRC=PATH (a DB file in the checkout) starts from that DB instead, in a copy of its own
+# (e.g. session 14's, with Qwen3-0.6B's split GEMMs: `git show aebb8be:db/NVIDIA-H200_driver-580.159.04.db > s14.db`)
+shipped_db() {
+  if [ -n "${DBSRC:-}" ]; then DB=/tmp/s7/alt-$(basename "$DBSRC"); cp "$DBSRC" $DB
+  else DB=/tmp/s7/lin.db; [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB; fi; }
 # seconds left of the call (CALL_S, default 570) since the phase began (t0)
 call_left() { echo $(( ${CALL_S:-570} - $(date +%s) + t0 )); }
 # `linear` decided per token range on $DB: LIMIT (the instrument's), TIMEOUT, REPS
