@@ -7,7 +7,6 @@ notebook, the vLLM plugin) never pays for it, and a change of layout touches one
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 from rich.console import Console
@@ -759,12 +758,11 @@ def render_engine_picks(rows: list, console=None, title: str = None) -> None:
 
 
 def _carried(e: dict) -> str:
-    """', earlier run DATE' for a value an earlier adjudication measured (report docs carry
-    ``carried_from``, adjudication docs the evidence's ``carried``)."""
-    at = e.get("carried_from") or (e.get("carried") or {}).get("created_at")
-    if not isinstance(at, (int, float)):
-        return ""
-    return ", earlier run " + time.strftime("%Y-%m-%d", time.gmtime(at))
+    """', earlier run DATE' for a value an earlier adjudication measured."""
+    from ..evaluate.engine_pick import carried_date
+
+    when = carried_date(e)
+    return f", earlier run {when}" if when else ""
 
 
 def render_engine_adjudication(doc: dict, console=None) -> None:

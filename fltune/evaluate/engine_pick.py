@@ -513,41 +513,39 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     key = _reported_key_any(result) or model_key(served, tp=tp)
     me = devmod.current(device_type)
     stack = devmod.stack()
-    db = CalibrationDB(db_path, create=False)
-    try:
-        carried = carried_values(db, me, key, choice, values, devmod.stack_key(stack))
-    finally:
-        db.close()
-    decision, value, reason, verdicts = judge(
-        {**{v: ev.get("points") or [] for v, ev in carried.items()}, **per_value}, floors,
-        given={v: (ev.get("verdict"), f"{ev.get('reason')} [{_earlier(ev)}]")
-               for v, ev in carried.items()})
-    scen = [_scenario_json(s) for s in scenarios]
-    ev_values = {}
-    for v in values:
-        a = info.get(arm_name(choice, v)) if isinstance(info, dict) else None
-        ev_values[v] = {"overlay": ch.overlay(v), "points": per_value[v],
-                        "verdict": verdicts[v][0], "reason": verdicts[v][1],
-                        "started": a.get("started") if isinstance(a, dict) else None,
-                        "error": a.get("error") if isinstance(a, dict) else None,
-                        # what the worker's vLLM config says it was given
-                        "seen": _seen(a)}
-    evidence = {"values": {**carried, **ev_values}, "baseline": {"arm": BASELINE_ARM,
-                                                  "overlay": ch.overlay(DEFAULT)},
-                "listing": listing.to_json() if listing else None, "scenarios": scen,
-                "reps": getattr(result, "reps", reps), "reps_asked": reps,
-                "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
-                "warmup": warmup, "engine": engine, "command": command,
-                # the per-value rule is model_step's, whichever version it is now
-                "value_rule": model_step.RULE,
-                "compile_aa": compile_evidence if compile_aa else None,
-                "model": src, "engine_notes": getattr(result, "engine_notes", None)}
-    row = {"device_key": me["device_key"], "driver": me["driver"], "model": key,
-           "model_name": src, "choice": choice, "decision": decision, "value": value,
-           "reason": reason, "evidence": evidence, "rule": RULE, "vllm": stack.get("vllm"),
-           "stack_key": devmod.stack_key(stack)}
+    # one open for the earlier row's values and the new row (what lies between is pure)
     db = CalibrationDB(db_path, create=False, write=True)
     try:
+        carried = carried_values(db, me, key, choice, values, devmod.stack_key(stack))
+        decision, value, reason, verdicts = judge(
+            {**{v: ev.get("points") or [] for v, ev in carried.items()}, **per_value},
+            floors, given={v: (ev.get("verdict"), f"{ev.get('reason')} [measured in an "
+                                                  f"earlier run, {carried_date(ev)}]")
+                           for v, ev in carried.items()})
+        scen = [_scenario_json(s) for s in scenarios]
+        ev_values = {}
+        for v in values:
+            a = info.get(arm_name(choice, v)) if isinstance(info, dict) else None
+            ev_values[v] = {"overlay": ch.overlay(v), "points": per_value[v],
+                            "verdict": verdicts[v][0], "reason": verdicts[v][1],
+                            "started": a.get("started") if isinstance(a, dict) else None,
+                            "error": a.get("error") if isinstance(a, dict) else None,
+                            # what the worker's vLLM config says it was given
+                            "seen": _seen(a)}
+        evidence = {"values": {**carried, **ev_values},
+                    "baseline": {"arm": BASELINE_ARM, "overlay": ch.overlay(DEFAULT)},
+                    "listing": listing.to_json() if listing else None, "scenarios": scen,
+                    "reps": getattr(result, "reps", reps), "reps_asked": reps,
+                    "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
+                    "warmup": warmup, "engine": engine, "command": command,
+                    # the per-value rule is model_step's, whichever version it is now
+                    "value_rule": model_step.RULE,
+                    "compile_aa": compile_evidence if compile_aa else None,
+                    "model": src, "engine_notes": getattr(result, "engine_notes", None)}
+        row = {"device_key": me["device_key"], "driver": me["driver"], "model": key,
+               "model_name": src, "choice": choice, "decision": decision, "value": value,
+               "reason": reason, "evidence": evidence, "rule": RULE,
+               "vllm": stack.get("vllm"), "stack_key": devmod.stack_key(stack)}
         if db.device(me["device_key"], me["driver"]) is None:
             db.upsert_device(me)
         db.record_engine_picks([row])
@@ -589,13 +587,13 @@ def carried_from(r: dict, raced: Sequence[str], stack_key: str) -> dict:
             for v, e in (ev.get("values") or {}).items() if v not in raced}
 
 
-def _earlier(ev: dict) -> str:
-    """'measured in an earlier run (DATE)' for a carried value's reason."""
-    import time as _t
+def carried_date(entry: dict) -> Optional[str]:
+    """The UTC date (YYYY-MM-DD) of the earlier run a carried value was measured in: an
+    evidence entry's ``carried`` or a report entry's ``carried_from``; None if neither."""
+    import time
 
-    at = (ev.get("carried") or {}).get("created_at")
-    when = _t.strftime("%Y-%m-%d", _t.gmtime(at)) if isinstance(at, (int, float)) else "?"
-    return f"measured in an earlier run, {when}"
+    at = entry.get("carried_from") or (entry.get("carried") or {}).get("created_at")
+    return time.strftime("%Y-%m-%d", time.gmtime(at)) if isinstance(at, (int, float)) else None
 
 
 def _seen(arm_info) -> Optional[dict]:

@@ -223,13 +223,9 @@ def kernel_floors(aa_points: list) -> dict:
     """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
     CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
     nothing)."""
-    floors = {}
-    for p in aa_points:
-        lo, hi = p.get("kernel_ci_low"), p.get("kernel_ci_high")
-        if lo is None or hi is None or p.get("kernel_n", MIN_KERNEL_ROUNDS) < MIN_KERNEL_ROUNDS:
-            continue
-        floors[p["scenario"]] = max(KERNEL_FLOOR, 1.0 - lo, hi - 1.0)
-    return floors
+    return {p["scenario"]: max(KERNEL_FLOOR, 1.0 - p["kernel_ci_low"],
+                               p["kernel_ci_high"] - 1.0)
+            for p in aa_points if kernel_ci_usable(p)}
 
 
 #: repetitions a point needs before it can decide anything, and profiled rounds before its
@@ -246,7 +242,7 @@ def decide(points: list, floors: Optional[dict] = None) -> tuple:
     pts = [p for p in points if p.get("ci_low") is not None and p.get("ci_high") is not None]
     if not pts:
         return "native", "unmeasured: the arm gave no e2e point"
-    few = [p for p in pts if p.get("n") is not None and p["n"] < MIN_REPS]
+    few = [p for p in pts if not enough_reps(p)]
     if few:
         return "native", ("too few repetitions to decide (at least "
                           f"{MIN_REPS}): " + ", ".join(f"{p['scenario']} n={p['n']}"
@@ -255,8 +251,7 @@ def decide(points: list, floors: Optional[dict] = None) -> tuple:
     def ci(p):
         return f"{p['scenario']} CI [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
 
-    if all(p.get("kernel_ci_low") is not None and p.get("kernel_ci_high") is not None
-           and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS for p in pts):
+    if all(map(kernel_ci_usable, pts)):
         return _decide_by_kernel(pts, ci, floors or {})
     faster = [p for p in pts if p["ci_low"] > 1.0]
     slower = [p for p in pts if p["ci_high"] < 1.0]
@@ -279,11 +274,29 @@ def decide(points: list, floors: Optional[dict] = None) -> tuple:
                       + ")")
 
 
+def scenario_floor(p: dict, floors: Optional[dict]) -> float:
+    """The kernel floor a point must clear: :data:`KERNEL_FLOOR`, widened by the compile
+    A/A's floor for its scenario (``floors``, :func:`kernel_floors`)."""
+    return max(KERNEL_FLOOR, (floors or {}).get(p["scenario"], 0.0))
+
+
+def kernel_ci_usable(p: dict) -> bool:
+    """Whether a point's kernel CI is one the rule reads: both edges, from at least
+    :data:`MIN_KERNEL_ROUNDS` profiled rounds."""
+    return (p.get("kernel_ci_low") is not None and p.get("kernel_ci_high") is not None
+            and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS)
+
+
+def enough_reps(p: dict) -> bool:
+    """Whether a point has the repetitions the rule reads (:data:`MIN_REPS`)."""
+    return p.get("n") is None or p["n"] >= MIN_REPS
+
+
 def _decide_by_kernel(pts: list, ci, floors: dict) -> tuple:
     """Rule /2 on points with a kernel CI (module docstring); ``floors`` widen
     :data:`KERNEL_FLOOR` per scenario (the compile A/A)."""
     def floor(p):
-        return max(KERNEL_FLOOR, floors.get(p["scenario"], 0.0))
+        return scenario_floor(p, floors)
 
     def kci(p):
         wide = (f", floor {floor(p):.1%} from the compile A/A"
@@ -480,12 +493,9 @@ def slower_where(points: list, floors: Optional[dict] = None) -> list:
     1. Points of too few repetitions are not read (:data:`MIN_REPS`)."""
     out = []
     for p in points:
-        if p.get("ci_low") is None or (p.get("n") is not None and p["n"] < MIN_REPS):
+        if p.get("ci_low") is None or not enough_reps(p):
             continue
-        floor = max(KERNEL_FLOOR, (floors or {}).get(p["scenario"], 0.0))
-        k = (p.get("kernel_ci_high") is not None
-             and p.get("kernel_n", MIN_KERNEL_ROUNDS) >= MIN_KERNEL_ROUNDS
-             and p["kernel_ci_high"] < 1.0 - floor)
+        k = kernel_ci_usable(p) and p["kernel_ci_high"] < 1.0 - scenario_floor(p, floors)
         if k or p["ci_high"] < 1.0:
             out.append(p)
     return out
@@ -521,8 +531,8 @@ def _served_db(db_path: str, rows: list, op: str, where: str) -> str:
 CONFIRM_MIN_S = 90.0
 
 
-#: the arm that serves one split op as decided (:func:`confirm_split`)
 def served_arm_name(op: str) -> str:
+    """The arm that serves one split op as decided (:func:`confirm_split`)."""
     return f"served:{op}"
 
 
@@ -573,8 +583,8 @@ def confirm_split(db_path: str, model: str, rows: list, scenarios: list, floors,
     for op in ops_:
         pts = [p for p in got if p.get("arm") == served_arm_name(op)]
         slow = slower_where(pts, floors)
-        read = [p for p in pts if p.get("n") is None or p["n"] >= MIN_REPS]
-        verdict = ("slower" if slow else "not slower" if read else "inconclusive")
+        verdict = ("slower" if slow else "not slower" if any(map(enough_reps, pts))
+                   else "inconclusive")
         doc["results"][op] = {"verdict": verdict, "points": pts,
                               "slower_at": [p["scenario"] for p in slow]}
         if verdict == "inconclusive":
