@@ -42,6 +42,7 @@
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
+#   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py)
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy
@@ -313,6 +314,21 @@ import json; d = json.load(open('$W/e2e-raw.json'))
 print({a: i.get('start_s') for a, i in d['arms'].items()})
 for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'ratio_median', 'ci_low', 'ci_high', 'kernel_us_arm', 'kernel_us_vanilla', 'kernel_ci_low', 'kernel_ci_high')})"
   rm -rf "$W/model"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+native) {
+  # issue 11.1: native.vllm's kernels against the same ops' kernels inside the model (one
+  # profiler each, benchmarks/native_in_model.py), with fresh compile caches so that both
+  # sides' Inductor code comes back for attribution (inductor-code.tgz: every output module)
+  el "native.vllm against $P in the model"
+  VLLM_CACHE_ROOT=$W/vcache TORCHINDUCTOR_CACHE_DIR=$W/icache VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+    timeout ${TIMEOUT:-480} python3 benchmarks/native_in_model.py --profile "$P" --out "$W" \
+    --impls ${IMPLS:-native.vllm} \
+    --scenarios "${SCENARIOS:-decode_b1,decode_b16,decode_b64,prefill_2048,prefill_8192}"
+  echo "native_in_model rc=$?"
+  grep -rl "def call(" "$W/vcache" "$W/icache" 2>/dev/null > "$W/code-files.txt"
+  tar -czf "$W/inductor-code.tgz" -T "$W/code-files.txt" 2>/dev/null
+  echo "$(wc -l < "$W/code-files.txt") output modules packed"; rm -rf "$W/vcache" "$W/icache"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 opsadj) {

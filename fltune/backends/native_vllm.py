@@ -31,9 +31,18 @@ on CUDA also ``combo_kernels``/``benchmark_combo_kernel``; none on CPU, as vLLM 
 there), ``assume_32bit_indexing`` from its ``dynamic_shapes_config``, only the token
 dimension marked dynamic (hidden sizes, weights and the cos/sin cache stay static), and
 every guard skipped (``torch.compiler.skip_all_guards_unsafe``), so one graph serves every
-token count. vLLM traces first at ``max_num_batched_tokens``; here the first trace is at
-the call's token count when it is at least 2, else at a warm-up of 16 tokens built with
-the call's layout, so Dynamo never specialises the token count to 0 or 1.
+token count. vLLM traces and first runs its graph at ``max_num_batched_tokens`` (the
+profile run), and that first run is where Inductor picks each generated kernel's launch
+configuration (it benchmarks a few, ``triton.autotune_pointwise``, at the sizes it is
+called with): the same graph run at one token keeps a configuration chosen for 8192.
+So the first trace here is at :func:`trace_tokens` (8192 on CUDA: ``vllm serve``'s default on
+the H200 and the instrument's engine), times the rows per token of the norms that run
+several rows per token (read from :func:`fltune.ops.workload_dims`, set by the race), on a
+copy built with the call's layout; the call itself then runs that graph. Until session 16
+the first trace was at the call's own token count (16 for a 1-token call): the H200 then
+measured the candidate's kernels 13–42 % *faster* than the model's at 1–16 tokens and 19 %
+(silu_and_mul) to 5x (gated norm) *slower* at 2048 tokens, configurations tuned for the
+wrong size (``benchmarks/native_in_model.py``).
 
 What is *not* reproduced: the neighbours vLLM fuses the op with in a model (the gate_up
 GEMM's output slice, residual adds and casts around the norms, the q/k split around
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import types
 from typing import Callable, Optional
@@ -63,13 +73,31 @@ from typing import Callable, Optional
 import torch
 
 from ..dispatch.types import BackendImplKind, OpImpl
-from ..ops import OPS
+from ..ops import OPS, current_workload_dims
+from ..util import ENGINE_MAX_BATCHED_TOKENS
 from .inductor import _qualify
 
 PRIORITY = 42
 IMPL_ID = "native.vllm"
-#: the token count the first trace runs at when the call itself has fewer than 2 tokens
-WARMUP_TOKENS = 16
+#: the token count a graph is first traced and run at, per device type: vLLM's
+#: ``max_num_batched_tokens`` where fltune measures (``util.ENGINE_MAX_BATCHED_TOKENS``).
+#: ``FLTUNE_NATIVE_TRACE_TOKENS`` overrides it, for a user who serves with another value.
+TRACE_TOKENS = ENGINE_MAX_BATCHED_TOKENS
+
+
+def trace_tokens(device_type: str) -> int:
+    """The token count a graph is traced and first run at on this device."""
+    env = os.environ.get("FLTUNE_NATIVE_TRACE_TOKENS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 2:
+            raise ValueError(f"FLTUNE_NATIVE_TRACE_TOKENS={env!r}: give vLLM's "
+                             f"max_num_batched_tokens, an integer >= 2")
+        return n
+    return TRACE_TOKENS.get(device_type, TRACE_TOKENS["cuda"])
 
 #: op -> the vLLM layer class whose native path it is (every op with a vLLM seam:
 #: ``integrations/vllm/ops.py``'s ``LAYER_OPS``, checked by the tests)
@@ -332,7 +360,7 @@ def _ir_native():
 FELL_BACK: dict = {}
 
 
-def _build(op_name: str, args: tuple, use_reference: bool = False):
+def _build(op_name: str, args: tuple, n_trace: int, use_reference: bool = False):
     spec = OPS[op_name]
     base, _ = sources()[op_name]
     fallback = spec.functional or spec.reference
@@ -364,14 +392,15 @@ def _build(op_name: str, args: tuple, use_reference: bool = False):
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="inductor",
                              options={**opts, "guard_filter_fn": _skip_guards()})
 
-    # first call: trace at >= 2 tokens, only the token dims dynamic
+    # first call: traced and run at vLLM's max_num_batched_tokens (in rows for the norms
+    # that run several per token), only the token dims dynamic
     dims = _TOKEN_DIMS[op_name]
     t_dim = dims[spec.key_arg] if spec.key_arg in dims else 0
     n_tok = args[spec.key_arg].shape[t_dim]
-    if n_tok >= 2:
+    if n_tok == n_trace:
         warm = None
     else:
-        warm = [(_with_tokens(a, dims[i], WARMUP_TOKENS) if i in dims else a.clone())
+        warm = [(_with_tokens(a, dims[i], n_trace) if i in dims else a.clone())
                 if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
     trace_args = warm if warm is not None else list(args)
     tensors = [trace_args[i] for i in tensor_idx]
@@ -392,9 +421,9 @@ def _build(op_name: str, args: tuple, use_reference: bool = False):
         FELL_BACK[op_name] = str(e).splitlines()[0][:160]
         log.warning("fltune native.vllm: %s: vLLM's function does not trace here (%s); "
                     "compiling fltune's reference instead", op_name, FELL_BACK[op_name])
-        return _build(op_name, args, use_reference=True)
+        return _build(op_name, args, n_trace, use_reference=True)
     COMPILES[0] += 1
-    graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else ())
+    graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else (), n_trace)
     if warm is not None:
         return graph, _NOT_RUN
     if graph.write_back:
@@ -417,10 +446,12 @@ def write_back_in_graph(device_type: str) -> bool:
 class _Graph:
     """One compiled graph and how to call it with the op's arguments."""
 
-    __slots__ = ("compiled", "tensor_idx", "write_back")
+    __slots__ = ("compiled", "tensor_idx", "write_back", "traced_at")
 
-    def __init__(self, compiled, tensor_idx, write_back):
+    def __init__(self, compiled, tensor_idx, write_back, traced_at):
         self.compiled, self.tensor_idx, self.write_back = compiled, tensor_idx, write_back
+        #: the token (or row) count the graph was traced and first run at
+        self.traced_at = traced_at
 
     def write(self, args, results):
         for i, r in zip(self.write_back, results):
@@ -433,10 +464,21 @@ class _Graph:
         return ret
 
 
+def _trace_rows(op_name: str, args) -> int:
+    """The size along the token dimension a new graph is traced at: vLLM's
+    max_num_batched_tokens times the workload's rows per token (1 but for the norms that
+    run per head)."""
+    device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+    rows_per_token = int(current_workload_dims().get("rows_per_token", 1) or 1)
+    return trace_tokens(device_type) * rows_per_token
+
+
 def compiled_graph(op_name: str, args) -> tuple:
     """(the graph for this call's static signature, the call's result if building the
-    graph already ran it, else ``_NOT_RUN``)."""
-    key = _key(op_name, args)
+    graph already ran it, else ``_NOT_RUN``). The trace size is in the key: a graph's
+    kernel configurations were chosen at it."""
+    n_trace = _trace_rows(op_name, args)
+    key = _key(op_name, args) + (("traced_at", n_trace),)
     graph = _graphs.get(key)
     if graph is not None:
         return graph, _NOT_RUN
@@ -444,7 +486,7 @@ def compiled_graph(op_name: str, args) -> tuple:
         graph = _graphs.get(key)
         if graph is not None:
             return graph, _NOT_RUN
-        graph, first = _build(op_name, tuple(args))
+        graph, first = _build(op_name, tuple(args), n_trace)
         _graphs[key] = graph
         return graph, first
 

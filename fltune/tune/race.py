@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..dispatch.types import OpImpl, QualifyContext
-from ..ops import get_op
+from ..ops import get_op, workload_dims
 from ..ops.base import DTYPE_NAMES, clone_args
 from . import parity, timing
 from .bands import Band
@@ -126,7 +126,14 @@ def race(op_name: str, dims: dict, dtype: torch.dtype, band: Band,
     """Race ``impls`` on one band. ``progress(phase, impl_id[, allowance_s])`` is called
     before each candidate's first call (when it declares one: ``OpImpl.first_call_s``), its parity check and
     warm-up and before the interleaved race, so a supervising process knows which
-    candidate was running if this one dies (see ``tune/worker.py``)."""
+    candidate was running if this one dies (see ``tune/worker.py``). Every call is made
+    inside ``workload_dims(dims)``: a candidate that builds for the served model's sizes
+    (``native.vllm``) reads the rows per token there."""
+    with workload_dims(dims):
+        return _race(op_name, dims, dtype, band, impls, settings, progress)
+
+
+def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
     spec = get_op(op_name)
     cap = torch.cuda.get_device_capability() if settings.device == "cuda" else None
     ctx = QualifyContext(settings.device, dtype, cap)
