@@ -258,6 +258,35 @@ def attribute(doc: dict) -> list:
     return table
 
 
+def code_origins(tgz: str) -> dict:
+    """{kernel name: [{module, nodes, aten, size_hints, heuristic}]} from a tarball of
+    Inductor output modules (PHASE=native's inductor-code.tgz): what each generated kernel
+    holds (Inductor's "Topologically Sorted Source Nodes" / "Original ATen" comment above it)
+    and what it was tuned for. Names repeat across modules (each numbers its kernels from 0),
+    hence a list per name: the model's and the candidate's modules are both in the tarball."""
+    import tarfile
+
+    q3 = "'" * 3
+    pat = re.compile(r"((?:^#[^\n]*\n)*)^(\w+) = async_compile\.triton\('(\w+)', "
+                     + q3 + r"(.*?)" + q3, re.M | re.S)
+    out = {}
+    with tarfile.open(tgz) as tar:
+        for m in tar.getmembers():
+            if not m.isfile():
+                continue
+            text = tar.extractfile(m).read().decode("utf-8", "replace")
+            for comments, _, name, src in pat.findall(text):
+                nodes = re.search(r"Source Nodes: \[(.*?)\], Original ATen: \[(.*?)\]", comments)
+                hints = re.search(r"size_hints=(\{[^}]*\})", src)
+                heur = re.search(r"@triton_heuristics\.(\w+)", src)
+                out.setdefault(name, []).append({
+                    "module": m.name, "nodes": nodes.group(1) if nodes else "",
+                    "aten": nodes.group(2) if nodes else "",
+                    "size_hints": hints.group(1) if hints else "",
+                    "heuristic": heur.group(1) if heur else ""})
+    return out
+
+
 def print_table(table: list) -> None:
     """Kernel against kernel first (the profiler's time of native.vllm's kernels per call
     against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
@@ -281,9 +310,13 @@ def main():
                                        "flaggems,reference.torch")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--analyse", help="re-attribute an existing JSON, no GPU")
+    ap.add_argument("--code", help="with --analyse: PHASE=native's inductor-code.tgz, whose "
+                                   "kernels' origins go into the JSON (kernel_origins)")
     a = ap.parse_args()
     if a.analyse:
         doc = json.load(open(a.analyse))
+        if a.code:
+            doc["kernel_origins"] = code_origins(a.code)
         doc["table"] = attribute(doc)
         print_table(doc["table"])
         json.dump(doc, open(a.analyse, "w"), indent=1)
