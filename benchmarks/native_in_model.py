@@ -50,8 +50,12 @@ def stem(kernel_name: str) -> str:
     return re.sub(r"_\d+$", "", kernel_name.split("(")[0].strip())
 
 
-def kernels_of(prof) -> dict:
-    """{kernel name: [count, total µs]} of the CUDA kernels in a profile."""
+def kernels_of(prof, launches: bool = False) -> dict:
+    """{kernel name: [count, total µs]} of the CUDA kernels in a profile; with ``launches``
+    keyed by name and launch shape (``name grid=[..] block=[..]``): Inductor numbers each
+    module's kernels from 0, so one name can be several kernels of a model (session 16:
+    ``triton_per_fused_1`` was the gated norm in the GDN layers' subgraph and a 1024-wide norm
+    elsewhere), which their launch shapes tell apart."""
     agg = {}
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -61,7 +65,11 @@ def kernels_of(prof) -> dict:
     os.remove(path)
     for e in tr.get("traceEvents", []):
         if e.get("ph") == "X" and e.get("cat") == "kernel":
-            a = agg.setdefault(e["name"], [0, 0.0])
+            key = e["name"]
+            if launches:
+                args = e.get("args") or {}
+                key = f"{key} grid={args.get('grid')} block={args.get('block')}"
+            a = agg.setdefault(key, [0, 0.0])
             a[0] += 1
             a[1] += float(e.get("dur", 0))
     return agg
@@ -95,7 +103,7 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     def profiled(prompts, n):
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             run(prompts, n)
-        return kernels_of(p)
+        return kernels_of(p), kernels_of(p, launches=True)
 
     with tprofile(activities=[ProfilerActivity.CUDA]):      # CUPTI warm-up
         torch.ones(8, device="cuda").add_(1)
@@ -106,23 +114,66 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
             prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(16)]}
                        for _ in range(size)]
             run(prompts, 65), run(prompts, 1)
-            k65, k1 = profiled(prompts, 65), profiled(prompts, 1)
-            per_step = {}
-            for k in set(k65) | set(k1):
-                c = (k65.get(k, [0, 0])[0] - k1.get(k, [0, 0])[0]) / 64
-                t = (k65.get(k, [0, 0])[1] - k1.get(k, [0, 0])[1]) / 64
-                if c > 0.5:
-                    per_step[k] = [round(c, 2), round(t, 3)]
+            (k65, l65), (k1, l1) = profiled(prompts, 65), profiled(prompts, 1)
+
+            def step(a, b):
+                out = {}
+                for k in set(a) | set(b):
+                    c = (a.get(k, [0, 0])[0] - b.get(k, [0, 0])[0]) / 64
+                    t = (a.get(k, [0, 0])[1] - b.get(k, [0, 0])[1]) / 64
+                    if c > 0.5:
+                        out[k] = [round(c, 2), round(t, 3)]
+                return out
+            per_step, per_launch = step(k65, k1), step(l65, l1)
             tokens = size
         else:
             prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(size)]}]
             run(prompts, 1), run(prompts, 1)
-            per_step = {k: [v[0], round(v[1], 3)] for k, v in profiled(prompts, 1).items()}
+            k1, l1 = profiled(prompts, 1)
+            per_step = {k: [v[0], round(v[1], 3)] for k, v in k1.items()}
+            per_launch = {k: [v[0], round(v[1], 3)] for k, v in l1.items()}
             tokens = size
-        out["scenarios"][name] = {"tokens": tokens, "kernels": per_step}
+        out["scenarios"][name] = {"tokens": tokens, "kernels": per_step,
+                                  "kernel_launches": per_launch}
         print(f"IN-MODEL {name}: {len(per_step)} kernels, "
               f"{sum(v[1] for v in per_step.values()):.0f} us/step", flush=True)
     return out
+
+
+#: bytes written between two calls to push everything out of the H200's 50 MiB L2
+FLUSH_BYTES = 256 << 20
+
+
+def params_cold(call, args, op: str, names: set, n: int = 10) -> dict:
+    """The candidate's kernels with its *parameters* cold and its activations warm, as in a
+    model step: a decode step streams every layer's weights through L2 (1.6 GB for
+    Qwen3.5-0.8B against 50 MiB), so a norm's weight comes from memory, while its input was
+    just written by the GEMM before it; the race replays one call back to back, all hot.
+    Before each call an L2-sized buffer is overwritten, then each token-sized argument is
+    read (summed) back into L2. Only the candidate's own kernels (``names``, from the warm
+    profile) are counted. Session 16 saw every attributable op's in-model kernel 0.2-1.0 µs
+    slower than the candidate's at 1-64 tokens and equal at 8192, a fixed cost per call
+    that one DRAM round trip for the weight would explain; this measures that."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    from fltune.backends.native_vllm import _TOKEN_DIMS
+
+    token_args = [a for i, a in enumerate(args)
+                  if isinstance(a, torch.Tensor) and a.is_floating_point()
+                  and i in _TOKEN_DIMS.get(op, {})]
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    sink = torch.zeros((), dtype=torch.float32, device="cuda")
+    try:
+        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(n):
+                flush.zero_()
+                for a in token_args:
+                    sink += a.float().sum()
+                call()
+            torch.cuda.synchronize()
+    except Exception as e:      # a row, not the end
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    return {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
 
 
 def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
@@ -151,7 +202,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                 tokens = size
                 gen = torch.Generator().manual_seed(0)
                 args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
-                calls, impls = {}, {}
+                calls, impls, own_args = {}, {}, {}
                 for iid in impl_ids:
                     try:
                         impl = reg.get(item.op, iid)
@@ -161,6 +212,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                         continue
                     impls[iid] = impl
                     own = clone_args(args)
+                    own_args[iid] = own
                     calls[iid] = (lambda fn=impl.fn, a=own: fn(*a))
                 if not calls:
                     continue
@@ -187,6 +239,9 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                         continue
                     row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
                                            for k, v in kernels_of(p).items()}
+                    if iid == "native.vllm":
+                        row.setdefault("kernels_params_cold", {})[iid] = params_cold(
+                            calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
@@ -200,12 +255,45 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
 #: (18 + 18 + 6 + 6), 24 silu_and_mul (18 + 6), 18 gated norms. The q/k norms and mrope of
 #: the attention layers are one unnamed kernel (``triton_poi_fused_N``) per layer in vLLM:
 #: not attributable by name, so not compared.
+#: The gated norm: session 16 read vLLM's generated code (PHASE=native's inductor-code.tgz)
+#: and found that the kernel named after it (``triton_poi_fused_..._rsqrt_silu_t_view_N``,
+#: matched until then) is a pointwise *copy* of the norm's output into the [tokens, 2048]
+#: layout of out_proj's GEMM; the norm itself is an unnamed persistent reduction over 128
+#: (``triton_per_fused_N``, Inductor kept no origin for it) that writes what the copy reads.
+#: So the op's in-model kernel is the unnamed one with the named copy's count per step
+#: (:data:`UNNAMED_PARTNERS`), and the copy is reported beside it (``in_model_copy_us``).
 IN_MODEL_NAMES = {
     "gemma_fused_add_rms_norm": re.compile(r"fused_add_rms_norm"),
     "fused_add_rms_norm": re.compile(r"fused_add_rms_norm"),
     "silu_and_mul": re.compile(r"mul_silu_slice"),
-    "rms_norm_gated": re.compile(r"^(?!.*fused_add).*rsqrt.*silu"),
 }
+UNNAMED_PARTNERS = {
+    "rms_norm_gated": (re.compile(r"^(?!.*fused_add).*rsqrt.*silu"),
+                       re.compile(r"^triton_per_fused_\d+( |$)")),
+}
+
+
+def partner_kernels(sc: dict, op: str):
+    """(the unnamed kernels holding ``op`` as {name: [calls, µs]} per step, the named copy's
+    µs per call) for an op in :data:`UNNAMED_PARTNERS`. With launch shapes recorded
+    (``kernel_launches``) the unnamed kernel is the one launched as often as the named copy;
+    without (the 2026-11-30 / first session-16 traces) the name's time is shared in
+    proportion to that count, which assumes its other launches cost the same."""
+    named, unnamed = UNNAMED_PARTNERS[op]
+    copy = {k: v for k, v in sc["kernels"].items() if named.search(k)}
+    calls = sum(v[0] for v in copy.values())
+    if not calls:
+        return {}, None
+    copy_us = sum(v[1] for v in copy.values()) / calls
+    launches = sc.get("kernel_launches") or {}
+    exact = {k: v for k, v in launches.items() if unnamed.search(k) and abs(v[0] - calls) < 0.5}
+    if exact:
+        return exact, copy_us
+    share = {}
+    for k, v in sc["kernels"].items():
+        if unnamed.search(k) and v[0] >= calls - 0.5:
+            share[k] = [calls, v[1] * calls / v[0]]
+    return share, copy_us
 
 
 def attribute(doc: dict) -> list:
@@ -221,13 +309,16 @@ def attribute(doc: dict) -> list:
         named = IN_MODEL_NAMES.get(row["op"])
         if row["op"] in ("gemma_rms_norm", "rms_norm", "mrope"):
             stems = set()          # fused into unnamed q/k-norm + rope kernels in the model
-        if named is not None:
+        copy_us = None
+        if row["op"] in UNNAMED_PARTNERS:
+            model_k, copy_us = partner_kernels(sc, row["op"])
+        elif named is not None:
             model_k = {k: v for k, v in sc["kernels"].items() if named.search(k)}
         else:
             model_k = {k: v for k, v in sc["kernels"].items() if stem(k) in stems}
         # several ops (or one op at several signatures) can share a stem: split the
         # model's time in proportion to the calls each makes per step
-        sharers = [] if named is not None else [
+        sharers = [] if (named is not None or row["op"] in UNNAMED_PARTNERS) else [
             r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
             and isinstance(r["kernels"].get("native.vllm"), dict)
             and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
@@ -235,13 +326,18 @@ def attribute(doc: dict) -> list:
         model_calls = sum(v[0] for v in model_k.values())
         model_us = sum(v[1] for v in model_k.values())
         kern = sum(v[1] for v in own.values())
+        cold = (row.get("kernels_params_cold") or {}).get("native.vllm") or {}
+        kern_cold = (round(sum(v[1] for v in cold.values()), 3)
+                     if cold and "raised" not in cold else None)
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
-                 "native_kernel_us": round(kern, 3),
+                 "native_kernel_us": round(kern, 3), "native_kernel_params_cold_us": kern_cold,
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
                  "stem_shared_by": len(sharers)}
+        if copy_us is not None:
+            entry["in_model_copy_us"] = round(copy_us, 3)
         if model_calls and share_calls:
             per_call = model_us / share_calls if len(sharers) > 1 else model_us / model_calls
             entry["in_model_us"] = round(per_call, 3)
@@ -249,6 +345,8 @@ def attribute(doc: dict) -> list:
             if isinstance(race, (int, float)):
                 entry["race_vs_model"] = round(race / per_call, 3)
             entry["kernel_vs_model"] = round(kern / per_call, 3)
+            if kern_cold:
+                entry["params_cold_vs_model"] = round(kern_cold / per_call, 3)
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -292,11 +390,12 @@ def print_table(table: list) -> None:
     against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
     which adds the launch gap between replayed kernels, about the same for every candidate)."""
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
-          "| native.vllm race µs | ratio | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| params cold µs | ratio | native.vllm race µs | ratio | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
+              f"{e.get('native_kernel_params_cold_us')} | {e.get('params_cold_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

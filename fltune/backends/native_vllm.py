@@ -39,14 +39,19 @@ So the first trace here is at :func:`trace_tokens` (8192 on CUDA: ``vllm serve``
 the H200 and the instrument's engine), times the rows per token of the norms that run
 several rows per token (read from :func:`fltune.ops.workload_dims`, set by the race), on a
 copy built with the call's layout; the call itself then runs that graph. Until session 16
-the first trace was at the call's own token count (16 for a 1-token call): the H200 then
-measured the candidate's kernels 13–42 % *faster* than the model's at 1–16 tokens and 19 %
-(silu_and_mul) to 5x (gated norm) *slower* at 2048 tokens, configurations tuned for the
-wrong size (``benchmarks/native_in_model.py``).
+the first trace was at the call's own token count (16 for a 1-token call), and the H200 then
+measured the candidate's gated-norm kernel 2.8–3.0x and its silu_and_mul kernel 1.08–1.19x
+the model's at 2048–8192 tokens (2026-11-30); traced at 8192, session 16's run of
+``benchmarks/native_in_model.py`` read 0.81–0.95x and 0.88–1.02x (README, "native.vllm
+against the model").
 
 What is *not* reproduced: the neighbours vLLM fuses the op with in a model (the gate_up
 GEMM's output slice, residual adds and casts around the norms, the q/k split around
-rope), and the CUDA-graph capture sizes' static graphs (vLLM compiles none by default:
+rope; in Qwen3.5 the gated norm's gate arrives as a view with a row stride of 8192 and its
+output is copied into out_proj's layout by a kernel of its own), the cold L2 a model step
+leaves a norm's weight in (at 1–64 tokens every attributable in-model kernel is a fixed
+0.2–1.0 µs slower than this candidate's: ``native_in_model.py``'s ``params_cold`` measures
+that), and the CUDA-graph capture sizes' static graphs (vLLM compiles none by default:
 ``compile_sizes`` is empty, the CUDA graphs capture the one dynamic graph; fltune's CUDA
 timer captures this candidate in a CUDA graph the same way). The in-place ops
 (``fused_add_rms_norm``, the ropes) return new tensors in vLLM's native path; the op
