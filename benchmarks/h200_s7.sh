@@ -42,7 +42,9 @@
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
-#   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py)
+#   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py);
+#                SKIPMODEL=1: the candidate alone (its warm and params-cold profiles, ~90 s),
+#                to join with an earlier run's in-model part (--analyse)
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy
@@ -323,7 +325,7 @@ native) {
   el "native.vllm against $P in the model"
   VLLM_CACHE_ROOT=$W/vcache TORCHINDUCTOR_CACHE_DIR=$W/icache VLLM_ENABLE_V1_MULTIPROCESSING=0 \
     timeout ${TIMEOUT:-480} python3 benchmarks/native_in_model.py --profile "$P" --out "$W" \
-    --impls ${IMPLS:-native.vllm} \
+    --impls ${IMPLS:-native.vllm} ${SKIPMODEL:+--skip-model} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,decode_b64,prefill_2048,prefill_8192}"
   echo "native_in_model rc=$?"
   grep -rl "def call(" "$W/vcache" "$W/icache" 2>/dev/null > "$W/code-files.txt"
