@@ -411,9 +411,15 @@ def main():
     ap.add_argument("--analyse", help="re-attribute an existing JSON, no GPU")
     ap.add_argument("--code", help="with --analyse: PHASE=native's inductor-code.tgz, whose "
                                    "kernels' origins go into the JSON (kernel_origins)")
+    ap.add_argument("--in-model-from", help="with --analyse: take the in-model part from this "
+                                            "JSON (a --skip-model run joined with an earlier "
+                                            "run's model profile)")
     a = ap.parse_args()
     if a.analyse:
         doc = json.load(open(a.analyse))
+        if a.in_model_from:
+            doc["in_model"] = json.load(open(a.in_model_from))["in_model"]
+            doc["in_model_from"] = a.in_model_from
         if a.code:
             doc["kernel_origins"] = code_origins(a.code)
         doc["table"] = attribute(doc)
