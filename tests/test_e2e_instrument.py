@@ -337,10 +337,35 @@ def run(tmp_path_factory):
     out = root / "out"
     # (the workers compile into the session's vLLM cache root: conftest.py)
     # a lax probe gate (off by default on CPU): its account must come back per sample
+    # the engines start at once (parallel_start; the sequential start is every other run's)
     res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
                       out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
-                      probe_gate=50.0, host_profile=True)
+                      probe_gate=50.0, host_profile=True, parallel_start=True)
     return {"res": res, "out": out, "events": events, "manifest": manifest}
+
+
+@engine_test
+def test_parallel_start_launches_every_distinct_arm_before_waiting_for_any(run):
+    """Four distinct arms (the A/A compiles into fresh caches of its own): one wave, every
+    engine spawned before the first is waited for; the broken one still reported alone."""
+    ev = run["events"]
+    assert run["res"].host["parallel_start"] is True
+    starting = [i for i, e in enumerate(ev) if e == "starting"]
+    started = [i for i, e in enumerate(ev) if e == "started"]
+    assert len(starting) == len(started) == 4
+    assert max(starting) < min(started)
+
+
+def test_start_waves_hold_back_an_arm_that_shares_an_earlier_arms_compile_cache():
+    """vanilla and a plain A/A compile the same thing into the same cache: the A/A waits for
+    the next wave (and reuses vanilla's graphs); fresh-cache and routed arms go at once."""
+    arms = [Arm("vanilla", {}), Arm("aa", {}), e2e.parse_arm("recompiled=recompiled"),
+            Arm("routed", {"FLTUNE_MANIFEST": "m.json"}),
+            Arm("flashinfer", {}, engine={"attention_backend": "FLASHINFER"}),
+            Arm("aa2", {})]
+    waves = [[a.name for a in w] for w in e2e.start_waves(arms)]
+    assert waves == [["vanilla", "recompiled", "routed", "flashinfer"], ["aa"], ["aa2"]]
+    assert e2e.start_waves([]) == []
 
 
 @engine_test

@@ -500,7 +500,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             engine_process: str = "in-process",
             probe_gate: float | None = None,
             time_limit_s: float | None = None,
-            host_profile: bool | None = None) -> E2EResult:
+            host_profile: bool | None = None,
+            parallel_start: bool | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -534,6 +535,14 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     and, for every other arm, the functions where it spends the most beyond the baseline
     (:func:`host_extra`): where an arm's host time goes when its kernels do not explain
     its wall time. Skipped where the time limit cut the run.
+    ``parallel_start`` (default ``FLTUNE_E2E_PARALLEL_START`` = 1, else off): every arm's
+    engine is started at once instead of one after another. On the H200 an adjudication of
+    three ops (five arms) spent 330 of its 510 s starting engines one by one, each mostly
+    compiling on the CPU (session 16), which left one repetition per arm; the starts overlap
+    on the machine's 16 cores. Off by default until measured there: concurrent starts could
+    disturb what vLLM sizes from the device's free memory (the KV cache is fixed on CUDA,
+    ``kv_cache_memory_bytes``, so that should not move), and arms that share a compile cache
+    (vanilla and an A/A) each compile instead of the second reusing the first's.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -567,6 +576,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
+    if parallel_start is None:
+        parallel_start = os.environ.get("FLTUNE_E2E_PARALLEL_START", "") == "1"
     if host_profile is None:
         host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
@@ -622,8 +633,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         os.sched_setaffinity(0, pin.parent)
     fresh_dirs: list = []
     try:
-        # ---- start, one after another -----------------------------------------------
-        for arm in arms:
+        # ---- start: one after another, or in waves of distinct arms (``parallel_start``) -
+        host["parallel_start"] = bool(parallel_start)
+
+        def launch(arm):
+            """Spawn ``arm``'s worker (its engine starts at once): (arm, proc, info, t0)."""
             add = dict(extra)
             cores = set(pin.start) if pin else None
             if cores:
@@ -636,7 +650,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 add["FLTUNE_COUNTERS_INTERVAL"] = "1"
             env = arm_environ(arm, os.environ, add)
             env, made = resolve_fresh_dirs(env, work, arm.name)
-            fresh_dirs += made.values()
+            fresh_dirs.extend(made.values())
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
                     "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
                     "cores": sorted(cores) if cores else None}
@@ -651,7 +665,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 arm_spec = os.path.join(work, f"worker-spec-{arm.name}.json")
                 with open(arm_spec, "w") as f:
                     json.dump({**spec, "engine": merge_engine(eng, arm.engine)}, f, indent=1)
-            p = _Proc(arm, arm_spec, env, info["log"], cores)
+            return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, t0
+
+        def await_start(arm, p, info, t0):
             try:
                 p.reply(start_timeout)
                 info["info"] = p.call(call_timeout, cmd="info")
@@ -666,6 +682,14 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 info["log_tail"] = p.log_tail()
                 p.log.close()
             progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
+
+        if parallel_start:
+            for wave in start_waves(arms):
+                for launched in [launch(arm) for arm in wave]:
+                    await_start(*launched)
+        else:
+            for arm in arms:
+                await_start(*launch(arm))
 
         def fail(name, e):
             info = arms_info[name]
@@ -874,6 +898,24 @@ def _block_fits(now: float, block_s: float, deadline: float) -> bool:
     """Whether one more scenario block as long as ``block_s`` (0: none seen yet) still ends
     :data:`TIME_LIMIT_MARGIN_S` before ``deadline``."""
     return now + block_s + TIME_LIMIT_MARGIN_S <= deadline
+
+
+def start_waves(arms: list) -> list:
+    """The arms in waves to start at once (``run_e2e(parallel_start=True)``): an arm that
+    runs what an earlier one runs (the same environment overlay and engine overrides, so the
+    same vLLM compile cache: vanilla and its A/A) waits for the next wave, so that it reuses
+    the first one's compiled graphs instead of compiling beside it into the same cache
+    directory, where one could read what the other is half-way through writing. Arms with
+    fresh compile caches (``<fresh-dir>`` values) count as distinct."""
+    groups: dict = {}
+    for arm in arms:
+        same = json.dumps([sorted((arm.env or {}).items()), sorted((arm.engine or {}).items())],
+                          default=str)
+        if any(v == FRESH_DIR for v in (arm.env or {}).values()):
+            same = f"fresh:{arm.name}"
+        groups.setdefault(same, []).append(arm)
+    depth = max((len(g) for g in groups.values()), default=0)
+    return [[g[i] for g in groups.values() if len(g) > i] for i in range(depth)]
 
 
 def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
