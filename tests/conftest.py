@@ -156,3 +156,30 @@ def copy_db(db, copy) -> sqlite3.Connection:
 def file_digest(path) -> str:
     """sha256 of a file's bytes: a DB opened for reading must come back byte for byte."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def old_schema_db(path, version: int, *, device_and_run: bool = True):
+    """A DB as the fltune of schema ``version`` wrote it: the migrations 0..version-1 of
+    this code (each release's are kept unchanged), WAL as fltune writes every DB, and (by
+    default) one CPU device ``dk``/driver ``drv`` with a finished run 1 of stack ``s1``.
+    Returns the open ``sqlite_utils.Database`` for the test to add its rows; close its
+    ``conn`` when done. The migration tests of each schema start from here."""
+    import sqlite_utils
+    from fltune.store.db import MIGRATIONS
+
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode=wal")
+    db = sqlite_utils.Database(con)
+    db["meta"].create({"key": str, "value": str}, pk="key")
+    for v in range(version):
+        MIGRATIONS[v](db)
+    db["meta"].insert({"key": "schema_version", "value": str(version)})
+    if device_and_run:
+        db["devices"].insert({"device_key": "dk", "device_type": "cpu", "name": "CPU X",
+                              "capability": None, "sms": 2, "memory_bytes": 1,
+                              "driver": "drv", "runtime": "r"})
+        db["runs"].insert({"id": 1, "device_key": "dk", "driver": "drv", "model": "tiny",
+                           "dtype": "bf16", "tp": 1, "settings": "{}", "stack": "{}",
+                           "stack_key": "s1", "status": "done", "started": 1.0,
+                           "finished": 2.0})
+    return db

@@ -23,10 +23,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import sqlite_utils
 
-from fltune.store.db import MIGRATIONS, SCHEMA_VERSION, CalibrationDB
-from conftest import file_digest
+from fltune.store.db import SCHEMA_VERSION, CalibrationDB
+from conftest import file_digest, old_schema_db
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "tiny_qwen3"
@@ -43,19 +42,8 @@ TABLES_V4 = ("devices", "runs", "measurements", "winners", "crossovers", "refine
 def _schema4_db(path: Path) -> None:
     """A DB as fltune with schema 4 wrote it (migrations 0..3 of this code), one row or
     more in every table."""
-    con = sqlite3.connect(path, isolation_level=None)
-    con.execute("PRAGMA journal_mode=wal")
-    db = sqlite_utils.Database(con)
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    for v in (0, 1, 2, 3):
-        MIGRATIONS[v](db)
-    db["meta"].insert({"key": "schema_version", "value": "4"})
-    db["devices"].insert({"device_key": "dk", "device_type": "cpu", "name": "CPU X",
-                          "capability": None, "sms": 2, "memory_bytes": 1, "driver": "drv",
-                          "runtime": "r"})
-    db["runs"].insert({"id": 1, "device_key": "dk", "driver": "drv", "model": "tiny",
-                       "dtype": "bf16", "tp": 1, "settings": "{}", "stack": "{}",
-                       "stack_key": "s1", "status": "done", "started": 1.0, "finished": 2.0})
+    db = old_schema_db(path, 4)
+    con = db.conn
     base = {"device_key": "dk", "driver": "drv", "stack_key": "s1", "op": "rms_norm",
             "signature": "eps=1e-06,hidden=64", "dims": '{"hidden": 64}', "dtype": "bf16",
             "band_lo": 1, "band_hi": 8, "kind": "reference", "vendor": None,

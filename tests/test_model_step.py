@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,9 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import sqlite_utils
 
-from fltune.store.db import (MIGRATIONS, SCHEMA_VERSION, CalibrationDB)
+from fltune.store.db import SCHEMA_VERSION, CalibrationDB
+from conftest import file_digest, old_schema_db
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "tiny_qwen3"
@@ -33,32 +32,17 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
 
 
-def _digest(p) -> str:
-    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
-
-
 # ---- schema 3 -> 4 ------------------------------------------------------------------------
 
 def _schema3_db(path: Path) -> None:
     """A DB as fltune with schema 3 wrote it (the migrations 0..2 of this code, which are
     those of the schema-3 release), with the old id in every impl-id column."""
-    con = sqlite3.connect(path, isolation_level=None)
-    con.execute("PRAGMA journal_mode=wal")                # as fltune writes every DB
-    db = sqlite_utils.Database(con)
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    for v in (0, 1, 2):
-        MIGRATIONS[v](db)
-    db["meta"].insert({"key": "schema_version", "value": "3"})
+    db = old_schema_db(path, 3)
+    con = db.conn
     base = {"device_key": "dk", "driver": "drv", "stack_key": "s1", "op": "rms_norm",
             "signature": "eps=1e-06,hidden=64", "dims": '{"hidden": 64}', "dtype": "bf16",
             "band_lo": 1, "band_hi": 8, "tokens": 8, "kind": "reference", "vendor": None,
             "backend": "x", "outcome": "timed", "median_us": 2.0, "run_id": 1, "created": 1.0}
-    db["devices"].insert({"device_key": "dk", "device_type": "cpu", "name": "CPU X",
-                          "capability": None, "sms": 2, "memory_bytes": 1, "driver": "drv",
-                          "runtime": "r"})
-    db["runs"].insert({"id": 1, "device_key": "dk", "driver": "drv", "model": "tiny",
-                       "dtype": "bf16", "tp": 1, "settings": "{}", "stack": "{}",
-                       "stack_key": "s1", "status": "done", "started": 1.0, "finished": 2.0})
     db["measurements"].insert({**base, "impl_id": "reference.inductor",
                                "reason": "timed; reference.inductor compiled"})
     db["measurements"].insert({**base, "impl_id": "reference.torch", "median_us": 3.0,
@@ -88,7 +72,7 @@ def _schema3_db(path: Path) -> None:
 def test_schema_3_db_read_as_is_then_migrated_with_the_impl_id_renamed(tmp_path):
     path = tmp_path / "v3.db"
     _schema3_db(path)
-    before = _digest(path)
+    before = file_digest(path)
     db = CalibrationDB(path, create=False)            # a reader: old bytes, new ids
     try:
         assert db.schema_version() == 3 and db.route_decisions("dk", "drv") == []
@@ -102,7 +86,7 @@ def test_schema_3_db_read_as_is_then_migrated_with_the_impl_id_renamed(tmp_path)
         assert db.crossovers("dk", "drv")[0]["impl_below"] == "inductor.standalone"
     finally:
         db.close()
-    assert _digest(path) == before
+    assert file_digest(path) == before
     con = sqlite3.connect(path)
     counts = {t: con.execute(f"select count(*) from {t}").fetchone()[0]
               for t in ("devices", "runs", "measurements", "winners", "crossovers")}

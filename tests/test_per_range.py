@@ -27,7 +27,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import sqlite_utils
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -35,8 +34,8 @@ FIXTURE = HERE / "fixtures" / "tiny_qwen3"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
 
-from fltune.store.db import MIGRATIONS, SCHEMA_VERSION, CalibrationDB, DBError  # noqa: E402
-from conftest import file_digest  # noqa: E402
+from fltune.store.db import SCHEMA_VERSION, CalibrationDB, DBError  # noqa: E402
+from conftest import file_digest, old_schema_db  # noqa: E402
 
 
 def _pt(scenario, lo, hi, **kw):
@@ -105,13 +104,8 @@ def test_decide_per_range_routes_decode_and_leaves_prefill_native():
 
 def _old_db(path: Path, version: int) -> None:
     """A DB as fltune with schema ``version`` (4 or 5) wrote it, with one decision."""
-    con = sqlite3.connect(path, isolation_level=None)
-    con.execute("PRAGMA journal_mode=wal")
-    db = sqlite_utils.Database(con)
-    db["meta"].create({"key": str, "value": str}, pk="key")
-    for v in range(version):
-        MIGRATIONS[v](db)
-    db["meta"].insert({"key": "schema_version", "value": str(version)})
+    db = old_schema_db(path, version, device_and_run=False)
+    con = db.conn
     db["route_decisions"].insert({
         "device_key": "dk", "driver": "drv", "stack_key": "s1", "model": "mk",
         "model_name": "tiny", "op": "rms_norm", "decision": "route", "reason": "faster",
