@@ -183,3 +183,15 @@ def old_schema_db(path, version: int, *, device_and_run: bool = True):
                            "stack_key": "s1", "status": "done", "started": 1.0,
                            "finished": 2.0})
     return db
+
+
+def stored_route_decisions(path) -> list:
+    """The route decisions a DB holds for its (first) device, read as fltune reads them."""
+    from fltune.store.db import CalibrationDB
+
+    c = CalibrationDB(path, create=False)
+    try:
+        dev = c.devices()[0]
+        return c.route_decisions(dev["device_key"], dev["driver"])
+    finally:
+        c.close()

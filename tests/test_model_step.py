@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from fltune.store.db import SCHEMA_VERSION, CalibrationDB
-from conftest import file_digest, old_schema_db
+from conftest import file_digest, old_schema_db, stored_route_decisions
 
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE / "fixtures" / "tiny_qwen3"
@@ -367,12 +367,7 @@ def test_adjudication_measures_each_routable_op_alone_and_writes_its_rows(decide
     assert got["silu_and_mul"]["decision"] == "native" and "tie" in got["silu_and_mul"]["reason"]
     assert got["fused_add_rms_norm"]["decision"] == "native"
     assert got["fused_add_rms_norm"]["reason"] == "the race's winners are vLLM's own path"
-    c = CalibrationDB(db, create=False)
-    try:
-        dev = c.devices()[0]
-        rows = {r["op"]: r for r in c.route_decisions(dev["device_key"], dev["driver"])}
-    finally:
-        c.close()
+    rows = {r["op"]: r for r in stored_route_decisions(db)}
     assert set(rows) == {"rms_norm", "silu_and_mul", "fused_add_rms_norm"}
     assert {r["model"] for r in rows.values()} == {key}
     ev = rows["rms_norm"]["evidence"]
@@ -584,12 +579,7 @@ def test_adjudication_at_tp2_stores_its_decisions_under_the_tp2_key(cal_db, tmp_
     key1 = model_key(json.loads((FIXTURE / "config.json").read_text()))
     assert doc["model_key"] == key1 + ":tp2"
     assert calls[0]["engine"] == {"tensor_parallel_size": 2}
-    c = CalibrationDB(db, create=False)
-    try:
-        dev = c.devices()[0]
-        models = {r["model"] for r in c.route_decisions(dev["device_key"], dev["driver"])}
-    finally:
-        c.close()
+    models = {r["model"] for r in stored_route_decisions(db)}
     assert models == {key1 + ":tp2"}
 
 
@@ -759,12 +749,7 @@ def test_adjudication_end_to_end_on_the_tiny_model(cal_db, tmp_path):
                for p in ev["points"])
     assert ev["effective_routes"] == ["rms_norm"]           # the arm routed that op alone
     assert got["rms_norm"]["decision"] in ("route", "native")
-    c = CalibrationDB(db, create=False)
-    try:
-        dev = c.devices()[0]
-        rows = c.route_decisions(dev["device_key"], dev["driver"])
-    finally:
-        c.close()
+    rows = stored_route_decisions(db)
     assert {r["op"] for r in rows} == {"rms_norm", "fused_add_rms_norm"}
     assert {r["model"] for r in rows} == {doc["model_key"]}
     m, _ = build_manifest(str(db))
@@ -819,12 +804,7 @@ def test_adjudicate_command_stores_an_all_native_op_without_a_run(cal_db, tmp_pa
     assert [(d["op"], d["decision"]) for d in doc["decisions"]] == [("fused_add_rms_norm",
                                                                        "native")]
     assert json.loads((tmp_path / "out" / "adjudication.json").read_text())["decisions"]
-    c = CalibrationDB(db, create=False)
-    try:
-        dev = c.devices()[0]
-        rows = c.route_decisions(dev["device_key"], dev["driver"])
-    finally:
-        c.close()
+    rows = stored_route_decisions(db)
     assert [(x["op"], x["decision"]) for x in rows] == [("fused_add_rms_norm", "native")]
     r = _cli("report", "--db", str(db))
     assert r.returncode == 0 and "routing decided by model-step measurement" in r.stdout

@@ -35,7 +35,7 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
 
 from fltune.store.db import SCHEMA_VERSION, CalibrationDB, DBError  # noqa: E402
-from conftest import file_digest, old_schema_db  # noqa: E402
+from conftest import file_digest, old_schema_db, stored_route_decisions  # noqa: E402
 
 
 def _pt(scenario, lo, hi, **kw):
@@ -323,12 +323,7 @@ def test_a_split_is_confirmed_as_served_or_made_native(cal_db, tmp_path):
     assert [a.name for a in calls[1]["arms"]] == ["vanilla", "served:rms_norm"]  # split only
     served_db = calls[1]["arms"][1].env["FLTUNE_DB"]
     assert Path(served_db).parent == tmp_path / "kept" / "as-served"
-    c = CalibrationDB(served_db, create=False)
-    try:
-        dev = c.devices()[0]
-        rows = c.route_decisions(dev["device_key"], dev["driver"])
-    finally:
-        c.close()
+    rows = stored_route_decisions(served_db)
     assert {(r["op"], r["min_tokens"], r["max_tokens"], r["decision"]) for r in rows} == {
         ("rms_norm", 1, 512, "route"), ("rms_norm", 513, None, "native")}
     got = {(d["op"], d["min_tokens"]): d for d in doc["decisions"]}
