@@ -59,7 +59,8 @@ contract writes them back into the inputs, which the compiled graph does as its 
 
 Guards are skipped, so a compiled graph is only ever called with what it was traced
 for: graphs are cached per (op, every non-tensor argument, every tensor's dtype, device,
-non-token sizes and layout), and each gets its own code object (Dynamo keys its cache by
+non-token sizes and layout, the workload's rows per token, which sets the trace size),
+and each gets its own code object (Dynamo keys its cache by
 code object; two closures over one function would otherwise share the first graph).
 
 Kind REFERENCE, priority 42: PyTorch code, ranked below FL's reference (50) and the fused
@@ -365,7 +366,7 @@ def _ir_native():
 FELL_BACK: dict = {}
 
 
-def _build(op_name: str, args: tuple, n_trace: int, use_reference: bool = False):
+def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool = False):
     spec = OPS[op_name]
     base, _ = sources()[op_name]
     fallback = spec.functional or spec.reference
@@ -399,6 +400,7 @@ def _build(op_name: str, args: tuple, n_trace: int, use_reference: bool = False)
 
     # first call: traced and run at vLLM's max_num_batched_tokens (in rows for the norms
     # that run several per token), only the token dims dynamic
+    n_trace = trace_tokens(device_type) * rows_per_token
     dims = _TOKEN_DIMS[op_name]
     t_dim = dims[spec.key_arg] if spec.key_arg in dims else 0
     n_tok = args[spec.key_arg].shape[t_dim]
@@ -426,7 +428,7 @@ def _build(op_name: str, args: tuple, n_trace: int, use_reference: bool = False)
         FELL_BACK[op_name] = str(e).splitlines()[0][:160]
         log.warning("fltune native.vllm: %s: vLLM's function does not trace here (%s); "
                     "compiling fltune's reference instead", op_name, FELL_BACK[op_name])
-        return _build(op_name, args, n_trace, use_reference=True)
+        return _build(op_name, args, rows_per_token, use_reference=True)
     COMPILES[0] += 1
     graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else (), n_trace)
     if warm is not None:
@@ -469,21 +471,14 @@ class _Graph:
         return ret
 
 
-def _trace_rows(op_name: str, args) -> int:
-    """The size along the token dimension a new graph is traced at: vLLM's
-    max_num_batched_tokens times the workload's rows per token (1 but for the norms that
-    run per head)."""
-    device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
-    rows_per_token = int(current_workload_dims().get("rows_per_token", 1) or 1)
-    return trace_tokens(device_type) * rows_per_token
-
-
 def compiled_graph(op_name: str, args) -> tuple:
     """(the graph for this call's static signature, the call's result if building the
-    graph already ran it, else ``_NOT_RUN``). The trace size is in the key: a graph's
-    kernel configurations were chosen at it."""
-    n_trace = _trace_rows(op_name, args)
-    key = _key(op_name, args) + (("traced_at", n_trace),)
+    graph already ran it, else ``_NOT_RUN``). The workload's rows per token is in the key: a
+    graph's kernel configurations were chosen at the size it sets (vLLM's
+    max_num_batched_tokens times it, read once when the graph is built: every call passes
+    here, and the eager-timed bands time this host path)."""
+    rows_per_token = int(current_workload_dims().get("rows_per_token", 1) or 1)
+    key = _key(op_name, args) + (("rows_per_token", rows_per_token),)
     graph = _graphs.get(key)
     if graph is not None:
         return graph, _NOT_RUN
@@ -491,7 +486,7 @@ def compiled_graph(op_name: str, args) -> tuple:
         graph = _graphs.get(key)
         if graph is not None:
             return graph, _NOT_RUN
-        graph, first = _build(op_name, tuple(args), n_trace)
+        graph, first = _build(op_name, tuple(args), rows_per_token)
         _graphs[key] = graph
         return graph, first
 
