@@ -683,13 +683,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 p.log.close()
             progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
 
-        if parallel_start:
-            for wave in start_waves(arms):
-                for launched in [launch(arm) for arm in wave]:
-                    await_start(*launched)
-        else:
-            for arm in arms:
-                await_start(*launch(arm))
+        # every arm of a wave is spawned before the first is waited for; sequential = waves of one
+        for wave in start_waves(arms) if parallel_start else [[arm] for arm in arms]:
+            for launched in [launch(arm) for arm in wave]:
+                await_start(*launched)
 
         def fail(name, e):
             info = arms_info[name]
@@ -909,10 +906,11 @@ def start_waves(arms: list) -> list:
     fresh compile caches (``<fresh-dir>`` values) count as distinct."""
     groups: dict = {}
     for arm in arms:
-        same = json.dumps([sorted((arm.env or {}).items()), sorted((arm.engine or {}).items())],
-                          default=str)
         if any(v == FRESH_DIR for v in (arm.env or {}).values()):
             same = f"fresh:{arm.name}"
+        else:
+            same = json.dumps([sorted((arm.env or {}).items()),
+                               sorted((arm.engine or {}).items())], default=str)
         groups.setdefault(same, []).append(arm)
     depth = max((len(g) for g in groups.values()), default=0)
     return [[g[i] for g in groups.values() if len(g) > i] for i in range(depth)]
