@@ -34,7 +34,6 @@ import os
 import random
 import re
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,18 +50,16 @@ def stem(kernel_name: str) -> str:
 
 
 def kernels_of(prof, launches: bool = False) -> dict:
-    """{kernel name: [count, total µs]} of the CUDA kernels in a profile; with ``launches``
-    keyed by name and launch shape (``name grid=[..] block=[..]``): Inductor numbers each
-    module's kernels from 0, so one name can be several kernels of a model (session 16:
-    ``triton_per_fused_1`` was the gated norm in the GDN layers' subgraph and a 1024-wide norm
-    elsewhere), which their launch shapes tell apart."""
+    """{kernel name: [count, total µs]} of the CUDA kernels in a profile (a stopped
+    torch.profiler run, or its Chrome trace already read: ``e2e_worker.chrome_trace``); with
+    ``launches`` keyed by name and launch shape (``name grid=[..] block=[..]``): Inductor
+    numbers each module's kernels from 0, so one name can be several kernels of a model
+    (session 16: ``triton_per_fused_1`` was the gated norm in the GDN layers' subgraph and a
+    1024-wide norm elsewhere), which their launch shapes tell apart."""
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
+
+    tr = prof if isinstance(prof, dict) else chrome_trace(prof)
     agg = {}
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        tr = json.load(f)
-    os.remove(path)
     for e in tr.get("traceEvents", []):
         if e.get("ph") == "X" and e.get("cat") == "kernel":
             key = e["name"]
@@ -79,6 +76,7 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
     from vllm import LLM, SamplingParams
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
     from h200_serve import model_dir
 
     t0 = time.time()
@@ -103,7 +101,8 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     def profiled(prompts, n):
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
             run(prompts, n)
-        return kernels_of(p), kernels_of(p, launches=True)
+        tr = chrome_trace(p)          # exported once, read both ways
+        return kernels_of(tr), kernels_of(tr, launches=True)
 
     with tprofile(activities=[ProfilerActivity.CUDA]):      # CUPTI warm-up
         torch.ones(8, device="cuda").add_(1)

@@ -85,7 +85,7 @@ def test_one_graph_serves_every_token_count():
     assert counters["stats"]["unique_graphs"] - g0 == 1
 
 
-def test_first_call_at_one_token_traces_a_warmup_at_16():
+def test_first_call_at_one_token_traces_at_vllms_batch_size_then_runs_the_call():
     """A first call with one token must not make the graph specialise to 1: the trace runs
     on a copy of the call's layout at vLLM's max_num_batched_tokens, then the call itself
     runs that graph. In-place ops (written back once, not twice) included."""
