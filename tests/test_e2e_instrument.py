@@ -356,6 +356,21 @@ def test_parallel_start_launches_every_distinct_arm_before_waiting_for_any(run):
     assert max(starting) < min(started)
 
 
+def test_parallel_start_is_on_for_cuda_off_for_cpu_unless_the_env_says(monkeypatch):
+    """Measured on the H200 (session 17), so CUDA starts its arms at once by default; the
+    2-core CPU machine does not. The env var decides either way, and a typo is an error."""
+    monkeypatch.delenv("FLTUNE_E2E_PARALLEL_START", raising=False)
+    assert e2e.parallel_start_default("cuda") is True
+    assert e2e.parallel_start_default("cpu") is False
+    monkeypatch.setenv("FLTUNE_E2E_PARALLEL_START", "0")
+    assert e2e.parallel_start_default("cuda") is False
+    monkeypatch.setenv("FLTUNE_E2E_PARALLEL_START", "1")
+    assert e2e.parallel_start_default("cpu") is True
+    monkeypatch.setenv("FLTUNE_E2E_PARALLEL_START", "yes")
+    with pytest.raises(ValueError, match="FLTUNE_E2E_PARALLEL_START='yes'"):
+        e2e.parallel_start_default("cpu")
+
+
 def test_start_waves_hold_back_an_arm_that_shares_an_earlier_arms_compile_cache():
     """vanilla and a plain A/A compile the same thing into the same cache: the A/A waits for
     the next wave (and reuses vanilla's graphs); fresh-cache and routed arms go at once."""

