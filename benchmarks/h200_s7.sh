@@ -43,7 +43,7 @@
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
 #   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py);
-#                SKIPMODEL=1: the candidate alone (its warm and params-cold profiles, ~90 s),
+#                SKIPMODEL=1: the candidate alone (its warm, params-cold and in-context profiles, ~100 s),
 #                to join with an earlier run's in-model part (--analyse)
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for

@@ -14,7 +14,9 @@ Two parts in one process, so they see the same GPU, clocks and library versions:
 2. **Alone.** For each op the model calls (fltune's workload for the profile) and each
    scenario's token count: ``native.vllm`` and ``inductor.standalone`` timed the way the
    race times them (``tune/timing.py``: CUDA-graph replay), and
-   profiled once so their kernels' names and durations are known too.
+   profiled once so their kernels' names and durations are known too; ``native.vllm`` also
+   with its parameters cold (``params_cold``) and right after the GEMM that writes its input
+   (``in_context``), to tell where the model's extra time per call comes from.
 
 Attribution. Inductor names a generated kernel after the aten ops it fused
 (``triton_poi_fused_mul_silu_slice_0``), so a standalone ``native.vllm`` kernel and the
@@ -175,6 +177,100 @@ def params_cold(call, args, op: str, names: set, n: int = 10) -> dict:
     return {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
 
 
+#: bytes of producer weights an in-context profile rotates through: more than the H200's
+#: 50 MiB L2, so no producer GEMM finds its weight (or the op's) left there by the last round
+CONTEXT_WEIGHT_BYTES = 64 << 20
+
+
+def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_BYTES,
+              seed: int = 0) -> list:
+    """One GEMM per token-sized floating input of ``op`` that writes it, as the layer
+    before it does in a model step (the down or out projection writes a norm's input, the
+    gate_up projection silu_and_mul's): ``producer(i)`` runs round ``i`` (every input
+    written, ``x = src @ W``), each round with the next of enough weight copies that they
+    together exceed ``weight_bytes``. ``W`` is scaled by 1/sqrt(k), so the written values
+    stay activation-sized. Inputs that are not contiguous get the product copied in."""
+    import math
+    import torch
+    from fltune.backends.native_vllm import _TOKEN_DIMS
+
+    gen = torch.Generator().manual_seed(seed)
+    per_arg = []
+    for i, a in enumerate(args):
+        if not (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() == 2
+                and i in _TOKEN_DIMS.get(op, {})):
+            continue
+        rows, w = a.shape
+        one = k * w * a.element_size()
+        copies = max(2, math.ceil(weight_bytes / one))
+        src = (torch.randn(rows, k, generator=gen) / math.sqrt(k)).to(a.device, a.dtype)
+        ws = [torch.randn(k, w, generator=gen).to(a.device, a.dtype) for _ in range(copies)]
+        per_arg.append((a, src, ws))
+
+    def producer(i: int) -> None:
+        for a, src, ws in per_arg:
+            wt = ws[i % len(ws)]
+            if a.is_contiguous():
+                torch.mm(src, wt, out=a)
+            else:
+                a.copy_(torch.mm(src, wt))
+    producer.weights = [len(ws) for _, _, ws in per_arg]
+    producer.weight_bytes = sum(sum(w.numel() * w.element_size() for w in ws)
+                                for _, _, ws in per_arg)
+    return producer
+
+
+def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
+    """The candidate's kernels right after the GEMM that writes their input, as in a model
+    step, in one CUDA graph (:func:`producers`): round i = producer GEMM(s) with the i-th
+    weight, then the call. Why: session 17 refuted the cold-weight explanation of the fixed
+    0.2-1.0 µs per call the model's kernels pay beyond the candidate's back-to-back replay
+    (``params_cold`` moved the norms 0.05-0.12 µs), and its largest move was a kernel that
+    reads no weight running after a different kernel: the launch context (instruction
+    cache, the previous kernel's tail, its output just written). If this closes the gap, the
+    context costs every candidate alike; if not, the model's kernels do more work. Only the
+    candidate's own kernels (``names``) are counted; ``captured`` says whether the CUDA graph
+    held (else eager launches, with the host's gaps between them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    try:
+        producer = producers(args, op)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):           # warm-up outside the capture
+            for i in range(2):
+                producer(i)
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = True
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(n):
+                    producer(i)
+                    call()
+            run = graph.replay
+        except Exception:                         # a call that cannot be captured
+            captured = False
+
+            def run():
+                for i in range(n):
+                    producer(i)
+                    call()
+        run()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+            run()
+            torch.cuda.synchronize()
+    except Exception as e:      # a row, not the end
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    out = {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
+    out["captured"] = captured
+    out["producer_weight_mib"] = round(producer.weight_bytes / 2**20, 1)
+    return out
+
+
 def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -240,6 +336,10 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                                            for k, v in kernels_of(p).items()}
                     if iid == "native.vllm":
                         row.setdefault("kernels_params_cold", {})[iid] = params_cold(
+                            calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
+                    # (not for a GEMM: its kernels and the producer's would share names)
+                    if iid == "native.vllm" and item.op != "linear":
+                        row.setdefault("kernels_in_context", {})[iid] = in_context(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
@@ -328,10 +428,14 @@ def attribute(doc: dict) -> list:
         cold = (row.get("kernels_params_cold") or {}).get("native.vllm") or {}
         kern_cold = (round(sum(v[1] for v in cold.values()), 3)
                      if cold and "raised" not in cold else None)
+        ctx = (row.get("kernels_in_context") or {}).get("native.vllm") or {}
+        kern_ctx = (round(sum(v[1] for v in ctx.values() if isinstance(v, list)), 3)
+                    if ctx and "raised" not in ctx else None)
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
                  "native_kernel_us": round(kern, 3), "native_kernel_params_cold_us": kern_cold,
+                 "native_kernel_in_context_us": kern_ctx,
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
                  "stem_shared_by": len(sharers)}
@@ -346,6 +450,8 @@ def attribute(doc: dict) -> list:
             entry["kernel_vs_model"] = round(kern / per_call, 3)
             if kern_cold:
                 entry["params_cold_vs_model"] = round(kern_cold / per_call, 3)
+            if kern_ctx:
+                entry["in_context_vs_model"] = round(kern_ctx / per_call, 3)
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -389,12 +495,14 @@ def print_table(table: list) -> None:
     against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
     which adds the launch gap between replayed kernels, about the same for every candidate)."""
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
-          "| params cold µs | ratio | native.vllm race µs | ratio | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| params cold µs | ratio | in context µs | ratio | native.vllm race µs | ratio "
+          "| inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
               f"{e.get('native_kernel_params_cold_us')} | {e.get('params_cold_vs_model', '-')} | "
+              f"{e.get('native_kernel_in_context_us')} | {e.get('in_context_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

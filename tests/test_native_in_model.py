@@ -70,3 +70,49 @@ def test_code_origins_reads_what_each_generated_kernel_holds(tmp_path):
     (red,) = got["triton_per_fused_1"]
     assert red["nodes"] == "" and red["heuristic"] == "persistent_reduction"
     assert "131072" in red["size_hints"]
+
+
+def test_in_context_column_compares_the_candidate_after_its_producer_with_the_model():
+    """The in-context profile's kernels (its bookkeeping keys aside) are summed like the warm
+    ones and set against the model's time per call."""
+    doc = _doc({COPY: [18.0, 18.0], "triton_per_fused_1": [18.0, 36.0]})
+    doc["alone"]["rows"][0]["kernels_in_context"] = {
+        "native.vllm": {"triton_per_fused_0": [1.0, 1.8], "captured": True,
+                        "producer_weight_mib": 64.0}}
+    (e,) = nim.attribute(doc)
+    assert e["native_kernel_in_context_us"] == 1.8
+    assert e["in_context_vs_model"] == 0.9 and e["kernel_vs_model"] == 0.75
+    doc["alone"]["rows"][0]["kernels_in_context"] = {"native.vllm": {"raised": "OOM"}}
+    (e,) = nim.attribute(doc)
+    assert e["native_kernel_in_context_us"] is None and "in_context_vs_model" not in e
+
+
+def test_producers_write_each_token_input_with_a_gemm_rotating_through_more_than_l2():
+    """What the in-context profile runs before each call: every token-sized floating input
+    (not the weight, not the scalars) rewritten as ``src @ W_i``, a fresh weight each round
+    until the copies together exceed the byte budget, contiguous or not."""
+    import torch
+    from fltune.ops import OPS
+
+    spec = OPS["gemma_fused_add_rms_norm"]
+    args = spec.make_inputs(4, {"hidden": 64, "eps": 1e-6}, torch.float32, "cpu",
+                            torch.Generator().manual_seed(0))
+    weight = args[2].clone()
+    budget = 1 << 20
+    prod = nim.producers(args, "gemma_fused_add_rms_norm", k=32, weight_bytes=budget)
+    one = 32 * 64 * 4                            # one [k, hidden] fp32 weight
+    assert prod.weights == [budget // one, budget // one]   # x and residual, not the weight
+    assert prod.weight_bytes >= 2 * budget
+    prod(0)
+    x0 = args[0].clone()
+    prod(1)
+    assert not torch.equal(args[0], x0)          # another weight, another product
+    prod(prod.weights[0])                         # the rotation comes back round
+    assert torch.equal(args[0], x0)
+    assert torch.equal(args[2], weight)
+    assert args[0].abs().mean() < 3               # activation-sized, not K-sized
+    # a strided input gets the product copied in, its neighbours untouched
+    buf = torch.full((4, 96), 7.0)
+    strided = [buf[:, :64], args[1], args[2], args[3]]
+    nim.producers(strided, "gemma_fused_add_rms_norm", k=32, weight_bytes=budget)(0)
+    assert torch.equal(buf[:, :64], x0) and bool((buf[:, 64:] == 7.0).all())

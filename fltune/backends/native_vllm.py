@@ -48,10 +48,11 @@ against the model").
 What is *not* reproduced: the neighbours vLLM fuses the op with in a model (the gate_up
 GEMM's output slice, residual adds and casts around the norms, the q/k split around
 rope; in Qwen3.5 the gated norm's gate arrives as a view with a row stride of 8192 and its
-output is copied into out_proj's layout by a kernel of its own), the cold L2 a model step
-leaves a norm's weight in (at 1–64 tokens every attributable in-model kernel is a fixed
-0.2–1.0 µs slower than this candidate's: ``native_in_model.py``'s ``params_cold`` measures
-that), and the CUDA-graph capture sizes' static graphs (vLLM compiles none by default:
+output is copied into out_proj's layout by a kernel of its own), the context a kernel runs
+in inside a model step (at 1–64 tokens every attributable in-model kernel is a fixed
+0.2–1.0 µs slower than this candidate's; a cold weight explains 0.05–0.12 µs of it, session
+17's ``params_cold``; ``native_in_model.py``'s ``in_context`` times the candidate right after
+the GEMM that writes its input), and the CUDA-graph capture sizes' static graphs (vLLM compiles none by default:
 ``compile_sizes`` is empty, the CUDA graphs capture the one dynamic graph; fltune's CUDA
 timer captures this candidate in a CUDA graph the same way). The in-place ops
 (``fused_add_rms_norm``, the ropes) return new tensors in vLLM's native path; the op
