@@ -29,7 +29,7 @@
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
 #   PHASE=linbench  the served DB (shipped_db: every decision so far) against vanilla with
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
-#                adds the fixed FL order, HOSTPROF=1 each arm's host time per Python
+#                adds the fixed FL order, FLONLY=1 it alone beside vanilla / aa, HOSTPROF=1 each arm's host time per Python
 #                function beyond vanilla's): issue 11's e2e-summary.json for PROFILE (run in
 #                session 9 on Qwen3.5's linear decision alone, in session 15 on the shipped DB).
 #   PHASE=fijit  (run in session 10; its GDN build outlasted the call: PHASE=fibuild) FlashInfer's JIT (GDN prefill) built once and checked, the
@@ -380,15 +380,18 @@ linrange) {
 linbench) {
   # the served DB (the shipped DB's copy with every decision the earlier phases stored)
   # against vanilla with its true defaults: issue 11's e2e-summary.json for model P;
-  # FL=1 adds the fixed FL order's arm (every op routed as vllm-plugin-FL would)
+  # FL=1 adds the fixed FL order's arm (every op routed as vllm-plugin-FL would); FLONLY=1
+  # runs it without the calibrated arm (its engine starts in ~5 min on Qwen3.5, FlagGems'
+  # kernels compiled at every capture size: session 17 got one repetition with both beside it)
   shipped_db
+  CALARM="--arm calibrated=db:$DB"; [ -n "${FLONLY:-}" ] && { FL=1; CALARM=; }
   if [ -n "${FL:-}" ]; then
     python3 -m fltune freeze --db $DB --order fl --out "$W/manifest-fl.json" >/dev/null \
       && FLARM="--arm fl=manifest:$W/manifest-fl.json:all"
   fi
   el "served DB against vanilla ${FLARM:-}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
-    --arm vanilla=vanilla --arm aa=vanilla --arm calibrated=db:$DB ${FLARM:-} --reps ${REPS:-8} \
+    --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
