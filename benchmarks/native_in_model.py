@@ -277,6 +277,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     from fltune.dispatch.discovery import discover
     from fltune.dispatch.registry import OpRegistry
     from fltune.ops import OPS, clone_args, dtype_from_name, workload_dims
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
     from fltune.tune import timing
     from fltune.tune.workload import derive
 
@@ -332,8 +333,15 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                     except Exception as e:     # a candidate that breaks is a row, not the end
                         row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
                         continue
+                    tr = chrome_trace(p)
                     row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
-                                           for k, v in kernels_of(p).items()}
+                                           for k, v in kernels_of(tr).items()}
+                    # with grid and block, to set beside the model's (``kernel_launches``):
+                    # the same generated code can run with another launch configuration
+                    # (Inductor's pointwise autotune picks one at the first run)
+                    row.setdefault("kernel_launches", {})[iid] = {
+                        k: [v[0] / 10, round(v[1] / 10, 3)]
+                        for k, v in kernels_of(tr, launches=True).items()}
                     if iid == "native.vllm":
                         row.setdefault("kernels_params_cold", {})[iid] = params_cold(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
@@ -441,6 +449,14 @@ def attribute(doc: dict) -> list:
                  "stem_shared_by": len(sharers)}
         if copy_us is not None:
             entry["in_model_copy_us"] = round(copy_us, 3)
+        # the launch configurations on both sides (grid, block), where both were recorded:
+        # the same generated kernel launched differently is a difference of its own
+        own_launches = (row.get("kernel_launches") or {}).get("native.vllm") or {}
+        # (a partner kernel found by launch shape is keyed by its launch already)
+        model_launches = sorted(k for k in sc.get("kernel_launches") or {}
+                                if k in model_k or k.split(" grid=")[0] in model_k)
+        if own_launches and model_launches:
+            entry["launches"] = {"model": model_launches, "native.vllm": sorted(own_launches)}
         if model_calls and share_calls:
             per_call = model_us / share_calls if len(sharers) > 1 else model_us / model_calls
             entry["in_model_us"] = round(per_call, 3)

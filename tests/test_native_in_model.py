@@ -116,3 +116,19 @@ def test_producers_write_each_token_input_with_a_gemm_rotating_through_more_than
     strided = [buf[:, :64], args[1], args[2], args[3]]
     nim.producers(strided, "gemma_fused_add_rms_norm", k=32, weight_bytes=budget)(0)
     assert torch.equal(buf[:, :64], x0) and bool((buf[:, 64:] == 7.0).all())
+
+
+def test_launch_configurations_of_both_sides_are_set_side_by_side():
+    """Where the candidate's launches were recorded too, the attributed model kernel's launch
+    shapes and the candidate's are listed together (only the attributed kernel's)."""
+    launch = "triton_per_fused_1 grid=[1, 1, 1] block=[128, 1, 1]"
+    doc = _doc({COPY: [18.0, 18.0], "triton_per_fused_1": [18.0, 36.0]},
+               launches={launch: [18.0, 36.0], COPY + " grid=[2, 1, 1] block=[256, 1, 1]":
+                         [18.0, 18.0]})
+    (e,) = nim.attribute(doc)
+    assert "launches" not in e                   # the candidate's were not recorded
+    doc["alone"]["rows"][0]["kernel_launches"] = {
+        "native.vllm": {"triton_per_fused_0 grid=[1, 1, 1] block=[64, 1, 1]": [1.0, 1.5]}}
+    (e,) = nim.attribute(doc)
+    assert e["launches"] == {"model": [launch], "native.vllm": [
+        "triton_per_fused_0 grid=[1, 1, 1] block=[64, 1, 1]"]}
