@@ -384,10 +384,13 @@ linbench) {
   # runs it without the calibrated arm (its engine starts in ~5 min on Qwen3.5, FlagGems'
   # kernels compiled at every capture size: session 17 got one repetition with both beside it)
   shipped_db
-  CALARM="--arm calibrated=db:$DB"; [ -n "${FLONLY:-}" ] && { FL=1; CALARM=; }
+  CALARM="--arm calibrated=db:$DB"; FLARM=
+  [ "${FLONLY:-0}" = 1 ] && { FL=1; CALARM=; }
   if [ -n "${FL:-}" ]; then
     python3 -m fltune freeze --db $DB --order fl --out "$W/manifest-fl.json" >/dev/null \
       && FLARM="--arm fl=manifest:$W/manifest-fl.json:all"
+    # without its arm an FLONLY run would be a plain A/A under the usual summary's name
+    [ -z "$FLARM" ] && [ -z "$CALARM" ] && { echo "freezing the FL order failed: no FL arm, no run"; exit 1; }
   fi
   el "served DB against vanilla ${FLARM:-}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \

@@ -178,33 +178,41 @@ def params_cold(call, args, op: str, names: set, n: int = 10) -> dict:
 
 
 #: bytes of producer weights an in-context profile rotates through: more than the H200's
-#: 50 MiB L2, so no producer GEMM finds its weight (or the op's) left there by the last round
+#: 50 MiB L2, so no producer GEMM finds its own weight left there by its last use (the op's
+#: weight stays warm: one producer weight passes through L2 between two calls;
+#: ``params_cold`` is the profile with the op's weight cold)
 CONTEXT_WEIGHT_BYTES = 64 << 20
 
 
 def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_BYTES,
-              seed: int = 0) -> list:
+              seed: int = 0):
     """One GEMM per token-sized floating input of ``op`` that writes it, as the layer
     before it does in a model step (the down or out projection writes a norm's input, the
     gate_up projection silu_and_mul's): ``producer(i)`` runs round ``i`` (every input
     written, ``x = src @ W``), each round with the next of enough weight copies that they
-    together exceed ``weight_bytes``. ``W`` is scaled by 1/sqrt(k), so the written values
-    stay activation-sized. Inputs that are not contiguous get the product copied in."""
+    together exceed ``weight_bytes``; ``producer.weights`` says how many, so a caller runs
+    at least that many rounds to use them all. ``src`` is scaled by 1/sqrt(k), so the
+    written values stay activation-sized; both are drawn on the inputs' device. Inputs that
+    are not contiguous get the product copied in. ``producer.weights`` is empty when the op
+    has no such input (nothing to produce)."""
     import math
     import torch
     from fltune.backends.native_vllm import _TOKEN_DIMS
 
-    gen = torch.Generator().manual_seed(seed)
-    per_arg = []
+    per_arg, gens = [], {}
     for i, a in enumerate(args):
         if not (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() == 2
                 and i in _TOKEN_DIMS.get(op, {})):
             continue
+        gen = gens.get(a.device)
+        if gen is None:
+            gen = gens[a.device] = torch.Generator(device=a.device).manual_seed(seed)
         rows, w = a.shape
         one = k * w * a.element_size()
         copies = max(2, math.ceil(weight_bytes / one))
-        src = (torch.randn(rows, k, generator=gen) / math.sqrt(k)).to(a.device, a.dtype)
-        ws = [torch.randn(k, w, generator=gen).to(a.device, a.dtype) for _ in range(copies)]
+        src = (torch.randn(rows, k, generator=gen, device=a.device) / math.sqrt(k)).to(a.dtype)
+        ws = [torch.randn(k, w, generator=gen, device=a.device).to(a.dtype)
+              for _ in range(copies)]
         per_arg.append((a, src, ws))
 
     def producer(i: int) -> None:
@@ -223,19 +231,25 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
 def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
     """The candidate's kernels right after the GEMM that writes their input, as in a model
     step, in one CUDA graph (:func:`producers`): round i = producer GEMM(s) with the i-th
-    weight, then the call. Why: session 17 refuted the cold-weight explanation of the fixed
-    0.2-1.0 µs per call the model's kernels pay beyond the candidate's back-to-back replay
-    (``params_cold`` moved the norms 0.05-0.12 µs), and its largest move was a kernel that
-    reads no weight running after a different kernel: the launch context (instruction
-    cache, the previous kernel's tail, its output just written). If this closes the gap, the
-    context costs every candidate alike; if not, the model's kernels do more work. Only the
-    candidate's own kernels (``names``) are counted; ``captured`` says whether the CUDA graph
-    held (else eager launches, with the host's gaps between them)."""
+    weight, then the call; at least ``n`` rounds and at least one per producer weight (a
+    narrow input has many small weights: 128 for a 128-wide norm), so every weight is used
+    once per replay and none is in L2 at its turn. Why: session 17 refuted the cold-weight
+    explanation of the fixed 0.2-1.0 µs per call the model's kernels pay beyond the
+    candidate's back-to-back replay (``params_cold`` moved the norms 0.05-0.12 µs), and its
+    largest move was a kernel that reads no weight running after a different kernel: the
+    launch context (instruction cache, the previous kernel's tail, its output just written).
+    If this closes the gap, the context costs every candidate alike; if not, the model's
+    kernels do more work. Only the candidate's own kernels (``names``) are counted;
+    ``captured`` says whether the CUDA graph held (else eager launches, with the host's gaps
+    between them)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     try:
         producer = producers(args, op)
+        if not producer.weights:
+            return {"skipped": f"{op} has no token-sized input for a GEMM to write"}
+        n = max(n, *producer.weights)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):           # warm-up outside the capture
@@ -246,7 +260,7 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
         captured = True
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 for i in range(n):
                     producer(i)
                     call()
@@ -268,6 +282,7 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
     out = {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
     out["captured"] = captured
     out["producer_weight_mib"] = round(producer.weight_bytes / 2**20, 1)
+    out["rounds"] = n
     return out
 
 
@@ -437,13 +452,14 @@ def attribute(doc: dict) -> list:
         kern_cold = (round(sum(v[1] for v in cold.values()), 3)
                      if cold and "raised" not in cold else None)
         ctx = (row.get("kernels_in_context") or {}).get("native.vllm") or {}
-        kern_ctx = (round(sum(v[1] for v in ctx.values() if isinstance(v, list)), 3)
-                    if ctx and "raised" not in ctx else None)
+        ctx_kernels = [v for v in ctx.values() if isinstance(v, list)]
+        kern_ctx = round(sum(v[1] for v in ctx_kernels), 3) if ctx_kernels else None
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
                  "native_kernel_us": round(kern, 3), "native_kernel_params_cold_us": kern_cold,
                  "native_kernel_in_context_us": kern_ctx,
+                 "in_context_captured": ctx.get("captured"),
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
                  "stem_shared_by": len(sharers)}

@@ -132,3 +132,18 @@ def test_launch_configurations_of_both_sides_are_set_side_by_side():
     (e,) = nim.attribute(doc)
     assert e["launches"] == {"model": [launch], "native.vllm": [
         "triton_per_fused_0 grid=[1, 1, 1] block=[64, 1, 1]"]}
+
+
+def test_in_context_skips_an_op_with_nothing_for_a_gemm_to_write_and_never_reads_zero():
+    """No 2-D token input: no producer, so no in-context figure (said, not a bare profile of
+    the call alone); and a profile in which none of the candidate's kernels showed up is no
+    figure either, not 0 µs."""
+    import torch
+
+    got = nim.in_context(lambda: None, [torch.zeros(3)], "silu_and_mul", set())
+    assert "skipped" in got and "silu_and_mul" in got["skipped"]
+    doc = _doc({COPY: [18.0, 18.0], "triton_per_fused_1": [18.0, 36.0]})
+    doc["alone"]["rows"][0]["kernels_in_context"] = {
+        "native.vllm": {"captured": False, "producer_weight_mib": 64.0, "rounds": 128}}
+    (e,) = nim.attribute(doc)
+    assert e["native_kernel_in_context_us"] is None and e["in_context_captured"] is False

@@ -57,17 +57,18 @@ def build(db_path: str, *, device: Optional[str] = None, op: Optional[str] = Non
                                  runs[-1]["id"] if runs else None)
         decisions = route_decisions_doc(db.route_decisions(dev["device_key"], dev["driver"]))
         engine_picks = engine_picks_doc(db.engine_picks(dev["device_key"], dev["driver"]))
+        if decisions and winners:       # (no winners: no manifest, and nothing it drops)
+            # a decision measured with picks a later calibration changed still sits in the
+            # DB, but freeze leaves it out (the op stays on vLLM's path until
+            # re-adjudicated): the report must not show it as in force (freeze's own
+            # judgement, on the DB already open)
+            stale: dict = {}
+            build_manifest(db_path, device=device, registry=registry, policy=policy,
+                           check_stack=False, stale_out=stale, db=db)
+            for d in decisions:
+                d["stale"] = stale.get((d["model_key"], d["op"]))
     finally:
         db.close()
-    if decisions and winners:           # (no winners: no manifest, and nothing it drops)
-        # a decision measured with picks a later calibration changed still sits in the DB,
-        # but freeze leaves it out (the op stays on vLLM's path until re-adjudicated): the
-        # report must not show it as in force
-        stale: dict = {}
-        build_manifest(db_path, device=device, registry=registry, policy=policy,
-                       check_stack=False, stale_out=stale)
-        for d in decisions:
-            d["stale"] = stale.get((d["model_key"], d["op"]))
     margins = {r["id"]: json.loads(r["settings"] or "{}").get("margin", WIN_MARGIN)
                for r in runs}
     rows = []

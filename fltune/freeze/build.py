@@ -70,7 +70,8 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                    policy: Optional[SelectionPolicy] = None, registry=None,
                    strict: bool = False, check_stack: bool = True,
                    order: str = "measured",
-                   stale_out: Optional[dict] = None) -> tuple[dict, list[str]]:
+                   stale_out: Optional[dict] = None,
+                   db: Optional[CalibrationDB] = None) -> tuple[dict, list[str]]:
     """Returns (manifest, warnings). Raises DBError when there is nothing for the device,
     StackMismatch when ``strict`` and the stack changed since calibration.
 
@@ -84,11 +85,16 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
     differ only in which implementation each band calls.
 
     ``stale_out``, a dict, receives ``(model key, op) -> why`` for each route decision left
-    out as stale (``fltune report`` marks those rows: the DB still holds them)."""
+    out as stale (``fltune report`` marks those rows: the DB still holds them).
+
+    ``db``, an open :class:`CalibrationDB` of ``db_path``, is read instead of opening the
+    file again (``fltune report`` has it open already) and is left open."""
     if order not in ORDERS:
         raise ValueError(f"unknown order {order!r}; use one of {', '.join(ORDERS)}")
     policy = policy or SelectionPolicy()
-    db = CalibrationDB(db_path, create=False)
+    owned = db is None
+    if owned:
+        db = CalibrationDB(db_path, create=False)
     try:
         dev = resolve_device(db, device)
         winners = db.winners(dev["device_key"], dev["driver"])
@@ -146,7 +152,8 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                                 default=None))
         return manifest.to_json(), warnings
     finally:
-        db.close()
+        if owned:
+            db.close()
 
 
 def _stack_warnings(stacks: dict, db_path: str, strict: bool,
