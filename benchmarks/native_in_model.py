@@ -15,8 +15,10 @@ Two parts in one process, so they see the same GPU, clocks and library versions:
    scenario's token count: ``native.vllm`` and ``inductor.standalone`` timed the way the
    race times them (``tune/timing.py``: CUDA-graph replay), and
    profiled once so their kernels' names and durations are known too; ``native.vllm`` also
-   with its parameters cold (``params_cold``) and right after the GEMM that writes its input
-   (``in_context``), to tell where the model's extra time per call comes from.
+   with its parameters cold (``params_cold``), and every candidate right after the GEMM that
+   writes its input (``in_context``), to tell where the model's extra time per call comes
+   from and whether that context reorders the candidates (``in_context_ranking``; run with
+   ``--impls native.vllm,vendor.flashinfer,flaggems,vendor.vllm`` to have several).
 
 Attribution. Inductor names a generated kernel after the aten ops it fused
 (``triton_poi_fused_mul_silu_slice_0``), so a standalone ``native.vllm`` kernel and the
@@ -360,8 +362,10 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                     if iid == "native.vllm":
                         row.setdefault("kernels_params_cold", {})[iid] = params_cold(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
-                    # (not for a GEMM: its kernels and the producer's would share names)
-                    if iid == "native.vllm" and item.op != "linear":
+                    # every candidate in context, so the run also shows whether the
+                    # context reorders them (not for a GEMM: its kernels and the
+                    # producer's would share names)
+                    if item.op != "linear":
                         row.setdefault("kernels_in_context", {})[iid] = in_context(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
                 rows.append(row)
@@ -522,6 +526,44 @@ def code_origins(tgz: str) -> dict:
     return out
 
 
+def in_context_ranking(doc: dict) -> list:
+    """Per (op, signature, scenario) with two or more candidates profiled in context: each
+    one's kernel µs per call back to back and after its producer GEMM, fastest in context
+    first. The race orders candidates by the first figure; a model step runs the second."""
+    out = []
+    for row in doc["alone"]["rows"]:
+        ctx = row.get("kernels_in_context") or {}
+        figs = []
+        for iid, prof in ctx.items():
+            warm = row["kernels"].get(iid)
+            kernels = [v for v in (prof or {}).values() if isinstance(v, list)]
+            if not kernels or not isinstance(warm, dict):
+                continue
+            figs.append({"impl": iid, "warm_us": round(sum(v[1] for v in warm.values()), 3),
+                         "in_context_us": round(sum(v[1] for v in kernels), 3)})
+        if len(figs) >= 2:
+            figs.sort(key=lambda f: f["in_context_us"])
+            warm_order = [f["impl"] for f in sorted(figs, key=lambda f: f["warm_us"])]
+            out.append({"op": row["op"], "signature": row["signature"],
+                        "scenario": row["scenario"], "candidates": figs,
+                        "reordered": warm_order != [f["impl"] for f in figs]})
+    return out
+
+
+def print_ranking(ranking: list) -> None:
+    """The candidates back to back and in context, where there are two or more."""
+    if not ranking:
+        return
+    print("| op | signature | scenario | candidate: back to back µs / in context µs (fastest "
+          "in context first) | order changed |")
+    print("|---|---|---|---|---|")
+    for r in ranking:
+        figs = ", ".join(f"{f['impl']}: {f['warm_us']} / {f['in_context_us']}"
+                         for f in r["candidates"])
+        print(f"| {r['op']} | {r['signature']} | {r['scenario']} | {figs} | "
+              f"{'yes' if r['reordered'] else 'no'} |")
+
+
 def print_table(table: list) -> None:
     """Kernel against kernel first (the profiler's time of native.vllm's kernels per call
     against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
@@ -563,6 +605,8 @@ def main():
             doc["kernel_origins"] = code_origins(a.code)
         doc["table"] = attribute(doc)
         print_table(doc["table"])
+        doc["in_context_ranking"] = in_context_ranking(doc)
+        print_ranking(doc["in_context_ranking"])
         json.dump(doc, open(a.analyse, "w"), indent=1)
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
@@ -579,6 +623,8 @@ def main():
                   if any(impl.impl_id == i or impl.impl_id.startswith(i + ".")
                          or impl.impl_id.startswith(i) for i in impl_ids)})
     doc["alone"] = alone(a.profile, scenarios, ids)
+    doc["in_context_ranking"] = in_context_ranking(doc)
+    print_ranking(doc["in_context_ranking"])
     json.dump(doc, open(path, "w"), indent=1)
     if not a.skip_model:
         doc["in_model"] = in_model(a.profile, scenarios, {})

@@ -147,3 +147,23 @@ def test_in_context_skips_an_op_with_nothing_for_a_gemm_to_write_and_never_reads
         "native.vllm": {"captured": False, "producer_weight_mib": 64.0, "rounds": 128}}
     (e,) = nim.attribute(doc)
     assert e["native_kernel_in_context_us"] is None and e["in_context_captured"] is False
+
+
+def test_the_in_context_ranking_says_when_the_context_reorders_the_candidates():
+    """Two candidates: faster back to back is not always faster after the producer GEMM;
+    the ranking lists them by the in-context figure and flags the change. A candidate
+    whose in-context profile raised is left out, and one candidate alone is no ranking."""
+    row = {"op": "silu_and_mul", "signature": "s", "scenario": "decode_b1",
+           "kernels": {"a": {"k_a": [1.0, 1.0]}, "b": {"k_b": [1.0, 1.2]},
+                       "c": {"k_c": [1.0, 0.5]}},
+           "kernels_in_context": {"a": {"k_a": [1.0, 1.6], "captured": True},
+                                  "b": {"k_b": [1.0, 1.3], "captured": True},
+                                  "c": {"raised": "boom"}}}
+    (r,) = nim.in_context_ranking({"alone": {"rows": [row]}})
+    assert [c["impl"] for c in r["candidates"]] == ["b", "a"] and r["reordered"] is True
+    assert r["candidates"][0] == {"impl": "b", "warm_us": 1.2, "in_context_us": 1.3}
+    row["kernels_in_context"]["a"]["k_a"] = [1.0, 1.25]
+    (r,) = nim.in_context_ranking({"alone": {"rows": [row]}})
+    assert r["reordered"] is False
+    del row["kernels_in_context"]["b"]
+    assert nim.in_context_ranking({"alone": {"rows": [row]}}) == []
