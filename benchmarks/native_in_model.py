@@ -76,6 +76,31 @@ def kernels_of(prof, launches: bool = False) -> dict:
     return agg
 
 
+def per_call(kernels: dict, n: int, names=None) -> dict:
+    """{kernel: [calls, µs]} of ``n`` calls (``kernels_of``) as per one call, optionally
+    only the kernels in ``names`` (a candidate's own, out of a profile that holds others)."""
+    return {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels.items()
+            if names is None or k in names}
+
+
+def kernel_us(profile: dict):
+    """The summed µs per call of a profile's kernels ({kernel: [calls, µs]}; bookkeeping
+    keys such as ``captured`` or ``raised`` are not kernels), None when it holds none."""
+    kernels = [v for v in (profile or {}).values() if isinstance(v, list)]
+    return round(sum(v[1] for v in kernels), 3) if kernels else None
+
+
+def token_inputs(args, op: str) -> list:
+    """(index, tensor) of the call's floating arguments that grow with the tokens
+    (``native_vllm._TOKEN_DIMS``): what a model step's previous kernel has just written."""
+    import torch
+    from fltune.backends.native_vllm import _TOKEN_DIMS
+
+    return [(i, a) for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            and i in _TOKEN_DIMS.get(op, {})]
+
+
 def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -159,11 +184,8 @@ def params_cold(call, args, op: str, names: set, n: int = 10) -> dict:
     that one DRAM round trip for the weight would explain; this measures that."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
-    from fltune.backends.native_vllm import _TOKEN_DIMS
 
-    token_args = [a for i, a in enumerate(args)
-                  if isinstance(a, torch.Tensor) and a.is_floating_point()
-                  and i in _TOKEN_DIMS.get(op, {})]
+    token_args = [a for _, a in token_inputs(args, op)]
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
     sink = torch.zeros((), dtype=torch.float32, device="cuda")
     try:
@@ -176,7 +198,7 @@ def params_cold(call, args, op: str, names: set, n: int = 10) -> dict:
             torch.cuda.synchronize()
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
-    return {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
+    return per_call(kernels_of(p), n, names)
 
 
 #: bytes of producer weights an in-context profile rotates through: more than the H200's
@@ -199,12 +221,10 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     has no such input (nothing to produce)."""
     import math
     import torch
-    from fltune.backends.native_vllm import _TOKEN_DIMS
 
     per_arg, gens = [], {}
-    for i, a in enumerate(args):
-        if not (isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() == 2
-                and i in _TOKEN_DIMS.get(op, {})):
+    for _, a in token_inputs(args, op):
+        if a.dim() != 2:
             continue
         gen = gens.get(a.device)
         if gen is None:
@@ -281,7 +301,7 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
             torch.cuda.synchronize()
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
-    out = {k: [v[0] / n, round(v[1] / n, 3)] for k, v in kernels_of(p).items() if k in names}
+    out = per_call(kernels_of(p), n, names)
     out["captured"] = captured
     out["producer_weight_mib"] = round(producer.weight_bytes / 2**20, 1)
     out["rounds"] = n
@@ -351,14 +371,12 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                         row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
                         continue
                     tr = chrome_trace(p)
-                    row["kernels"][iid] = {k: [v[0] / 10, round(v[1] / 10, 3)]
-                                           for k, v in kernels_of(tr).items()}
+                    row["kernels"][iid] = per_call(kernels_of(tr), 10)
                     # with grid and block, to set beside the model's (``kernel_launches``):
                     # the same generated code can run with another launch configuration
                     # (Inductor's pointwise autotune picks one at the first run)
-                    row.setdefault("kernel_launches", {})[iid] = {
-                        k: [v[0] / 10, round(v[1] / 10, 3)]
-                        for k, v in kernels_of(tr, launches=True).items()}
+                    row.setdefault("kernel_launches", {})[iid] = per_call(
+                        kernels_of(tr, launches=True), 10)
                     if iid == "native.vllm":
                         row.setdefault("kernels_params_cold", {})[iid] = params_cold(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
@@ -452,12 +470,9 @@ def attribute(doc: dict) -> list:
         model_calls = sum(v[0] for v in model_k.values())
         model_us = sum(v[1] for v in model_k.values())
         kern = sum(v[1] for v in own.values())
-        cold = (row.get("kernels_params_cold") or {}).get("native.vllm") or {}
-        kern_cold = (round(sum(v[1] for v in cold.values()), 3)
-                     if cold and "raised" not in cold else None)
+        kern_cold = kernel_us((row.get("kernels_params_cold") or {}).get("native.vllm"))
         ctx = (row.get("kernels_in_context") or {}).get("native.vllm") or {}
-        ctx_kernels = [v for v in ctx.values() if isinstance(v, list)]
-        kern_ctx = round(sum(v[1] for v in ctx_kernels), 3) if ctx_kernels else None
+        kern_ctx = kernel_us(ctx)
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
@@ -536,11 +551,10 @@ def in_context_ranking(doc: dict) -> list:
         figs = []
         for iid, prof in ctx.items():
             warm = row["kernels"].get(iid)
-            kernels = [v for v in (prof or {}).values() if isinstance(v, list)]
-            if not kernels or not isinstance(warm, dict):
+            in_ctx = kernel_us(prof)
+            if in_ctx is None or not isinstance(warm, dict):
                 continue
-            figs.append({"impl": iid, "warm_us": round(sum(v[1] for v in warm.values()), 3),
-                         "in_context_us": round(sum(v[1] for v in kernels), 3)})
+            figs.append({"impl": iid, "warm_us": kernel_us(warm), "in_context_us": in_ctx})
         if len(figs) >= 2:
             figs.sort(key=lambda f: f["in_context_us"])
             warm_order = [f["impl"] for f in sorted(figs, key=lambda f: f["warm_us"])]
