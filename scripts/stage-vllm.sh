@@ -5,8 +5,8 @@
 # Why a cap computed here: a call carries at most 64 MiB *including the checkout itself*
 # (tracked and untracked-not-ignored files). On 2026-12-01 chunks of 51 MiB that had fitted
 # earlier were refused once the checkout had grown to ~15 MiB, and the machine went cold while
-# they were re-cut. So each folder gets 64 MiB - the checkout - VE_MARGIN_MIB (default 6: the
-# last call also carries .whl, ~7 MiB, so that folder is cut smaller).
+# they were re-cut. So each folder gets 64 MiB - the checkout - VE_MARGIN_MIB (default 4: the
+# last call also carries .whl, ~7 MiB, so that folder is cut smaller; session 18: 6 left under 16 MiB a call beside a 36 MiB checkout, 4 fitted it in 17 calls).
 #
 # Run here, in the checkout, where pip reaches PyPI (downloads ~330 MB once into .vstage/):
 #   scripts/stage-vllm.sh            # prints the calls to make back to back on a warm machine
@@ -29,8 +29,7 @@ tree_kib=$( { git ls-files -z; git ls-files -z --others --exclude-standard; } \
             | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1 || true)  # deleted files: du errs
 [ -n "$tree_kib" ] || { echo "stage-vllm.sh: could not size the checkout" >&2; exit 1; }
 whl_kib=$(du -sk .whl 2>/dev/null | cut -f1); whl_kib=${whl_kib:-0}
-margin_mib=${VE_MARGIN_MIB:-6}
-rm -rf .ve[0-9]*
+margin_mib=${VE_MARGIN_MIB:-4}
 n=$(python3 - "$stage" "$tree_kib" "$whl_kib" "$margin_mib" <<'PY'
 import os, sys
 sys.path.insert(0, "scripts")
@@ -41,6 +40,11 @@ last_cap = cap - whl_kib * 1024                # the last folder travels with .w
 if last_cap < 16 * MiB:
     sys.exit(f"stage-vllm.sh: the checkout ({tree_kib // 1024} MiB) and .whl "
              f"({whl_kib // 1024} MiB) leave under 16 MiB a call")
+# the earlier cut's folders go only now that this one fits (session 18: a check that failed
+# after they were removed left the checkout with none)
+import glob, shutil
+for d in glob.glob(".ve[0-9]*"):
+    shutil.rmtree(d)
 for f in sorted(os.listdir(stage)):
     if f.startswith("vpart") or f == "VLLM_WHEEL" or ".whl.part" in f:   # an earlier cut
         os.remove(os.path.join(stage, f))
