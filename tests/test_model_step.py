@@ -179,7 +179,7 @@ def _kpt(scn, lo, hi, klo, khi):
 def test_rule_2_decides_by_kernel_time_with_a_floor(points, decision, word):
     from fltune.evaluate.model_step import RULE, decide
 
-    assert RULE == "model-step/4"
+    assert RULE == "model-step/5"
     got, reason = decide(points)
     assert got == decision and word in reason, reason
 
@@ -264,6 +264,10 @@ def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_
         doc["scenarios"])
     assert all(f == pytest.approx(0.025) for f in ev["floors"].values()) and not ev["missing"]
     assert got["rms_norm"]["evidence"]["compile_aa"]["floors"] == ev["floors"]
+    # its wall CI [0.97, 1.05] sets each scenario's wall floor at its far edge, 5 %
+    assert all(f == pytest.approx(0.05) for f in ev["wall_floors"].values())
+    assert got["rms_norm"]["evidence"]["compile_aa"]["wall_floors"] == ev["wall_floors"]
+    json.dumps(got["rms_norm"]["evidence"])               # stored as JSON, floors and all
     # the compile A/A's points are its own: no op's evidence carries them
     assert all(p["arm"] == "only:" + op for op, d in got.items()
                for p in d["evidence"]["points"])
@@ -284,6 +288,50 @@ def test_adjudication_adds_the_compile_aa_arm_and_stores_its_floors(cal_db, tmp_
     model_step.adjudicate(str(db), str(FIXTURE), reps=3, warmup=1, command="test",
                           measure=measure)                    # CPU: off by default
     assert model_step.COMPILE_AA_ARM not in [a.name for a in calls[0]]
+
+
+def test_a_wall_effect_inside_the_aa_reach_is_a_tie():
+    """Rule /5: the wall safety net reads a wall CI against the A/A's reach, not against
+    1.00. Session 15's numbers (H200, Qwen3-0.6B, ``linear`` split as served, n=3): the A/A
+    read 1.095 [0.952, 1.153] at prefill_2048, the split 0.769 [0.739, 0.882] there with
+    its kernel time 2 % faster — undone as "slower"; session 18 read it 0.9955 [0.974,
+    1.040] (n=10). Measured against the A/A's 15.3 % reach, 0.882 is inside the noise."""
+    from fltune.evaluate.model_step import (Floors, aa_floors, decide, served_verdict,
+                                            slower_where, wall_floors)
+
+    aa = [{**_kpt("decode_b1", 0.905, 1.001, 1.002, 1.006), "kernel_n": 3},
+          {**_kpt("prefill_2048", 0.952, 1.153, 0.999, 1.002), "kernel_n": 3},
+          {**_kpt("decode_b16", 0.5, 1.5, 0.99, 1.01), "n": 2}]   # too few: no floor
+    walls = wall_floors(aa)
+    assert walls == {"decode_b1": pytest.approx(0.095), "prefill_2048": pytest.approx(0.153)}
+    split = [{**_kpt("decode_b1", 0.933, 1.044, 1.241, 1.246), "kernel_n": 3},
+             {**_kpt("prefill_2048", 0.739, 0.882, 1.017, 1.021), "kernel_n": 3}]
+    # without the A/A's wall floors the net fires, as it did in session 15
+    assert [p["scenario"] for p in slower_where(split)] == ["prefill_2048"]
+    got, reason = decide(split)
+    assert got == "native" and "slower: prefill_2048" in reason and "below 1.00" in reason
+    floors = aa_floors(aa)
+    assert isinstance(floors, dict) and floors.wall == walls       # kernel floors: the dict
+    assert slower_where(split, floors) == []
+    got, reason = decide(split, floors)
+    assert got == "route" and "decode_b1 kernel CI [1.241, 1.246]" in reason, reason
+    assert served_verdict(split, floors)["verdict"] == "not slower"
+    assert served_verdict(split, floors)["wall_floors"] == walls
+    assert served_verdict(split)["verdict"] == "slower"
+    # beyond the reach it still fires, and the reason names the floor it cleared
+    worse = [split[0], {**split[1], "ci_low": 0.70, "ci_high": 0.80}]
+    got, reason = decide(worse, floors)
+    assert got == "native" and "below 1.00 - 15.3% (the A/A's wall reach)" in reason, reason
+    assert served_verdict(worse, floors)["slower_at"] == ["prefill_2048"]
+    # the wall-only rule (CPU: no kernel CI) reads both directions against the reach
+    wall_only = Floors(wall={"decode_b1": 0.05})
+    assert decide([_pt("decode_b1", 1.02, 1.08)])[0] == "route"
+    assert decide([_pt("decode_b1", 1.02, 1.08)], wall_only)[0] == "native"
+    assert decide([_pt("decode_b1", 1.06, 1.08)], wall_only)[0] == "route"
+    assert decide([_pt("decode_b1", 0.90, 0.96)], wall_only)[0] == "native"
+    assert "tie" in decide([_pt("decode_b1", 0.96, 0.98)], wall_only)[1]
+    # a plain dict of kernel floors (every caller before rule /5) has no wall floors
+    assert decide(split, dict(floors))[0] == "native"
 
 
 def test_tie_reason_names_each_ci():

@@ -13,7 +13,8 @@ given, only those a vLLM seam calls). For each, one arm that routes that op alon
 :func:`fltune.evaluate.e2e.run_e2e` call (one vanilla worker shared, arms interleaved).
 An op whose picks are all native gets a ``native`` row without a run.
 
-The rule, :data:`RULE` = ``model-step/4`` (``/2`` with the compile A/A's floors below;
+The rule, :data:`RULE` = ``model-step/5`` (``/2`` with the compile A/A's floors below, kernel
+(``/4``) and wall (``/5``: :func:`wall_floors`);
 ``model-step/3`` names the plugin's rule for models without decisions,
 ``integrations/vllm/config.ROUTE_RULE``), per op on its arm's points (one per scenario;
 ratio = vanilla time / arm time, with a 95 % paired bootstrap CI; the same for the GPU
@@ -29,7 +30,8 @@ the wall), so A/A wall CIs were ±2-29 % and one A/A point even read "faster"
 a floor, :data:`KERNEL_FLOOR` (1 %), that a kernel effect must clear:
 
 - **route** iff some scenario's kernel CI lies above ``1 + KERNEL_FLOOR``, none lies below
-  ``1 - KERNEL_FLOOR``, and no scenario's wall CI lies below 1.00;
+  ``1 - KERNEL_FLOOR``, and no scenario's wall CI lies below 1.00 — below ``1 - the A/A's
+  wall floor`` where an A/A ran (the compile A/A: :func:`wall_floors` says why);
 - otherwise **native**: ``kernel slower`` / ``slower`` (names the scenarios), ``mixed``,
   ``tie`` (no kernel effect beyond the floor).
 
@@ -48,7 +50,8 @@ lottery, and :func:`kernel_floors` widens the floor to it: an effect must clear
 ``max(KERNEL_FLOOR, the compile A/A's far CI edge)`` in that scenario.
 
 Without kernel CIs (CPU, or points of rule /1) the wall time alone decides, as in
-``model-step/1``: route iff some ``ci_low > 1.00``, no ``ci_high < 1.00``, and no kernel
+``model-step/1``: route iff some ``ci_low > 1.00``, no ``ci_high < 1.00`` (each 1.00 moved
+out by the scenario's wall floor where an A/A set one), and no kernel
 total above vanilla's by more than :data:`KERNEL_TOLERANCE` where totals are known. The
 reason always names the scenarios and CIs that decided; ``unmeasured`` when the arm gave no
 point.
@@ -97,7 +100,7 @@ from ..store import device as devmod
 from ..store.device import resolve_device
 from ..tune.workload import derive, load_config
 
-RULE = "model-step/4"
+RULE = "model-step/5"
 #: the wall-only rule's tolerance on kernel totals without a CI (rule /1, CPU-free points)
 KERNEL_TOLERANCE = 0.02
 #: the least kernel-time effect that counts: two vanilla processes differed by up to 0.9 %
@@ -205,18 +208,64 @@ def floors_missing(aa_points: list, floors: dict, scenarios, arm_info=None) -> l
 
 def compile_aa_outcome(result, scenarios) -> tuple:
     """(floors, evidence) of the compile A/A arm in an e2e ``result`` (``run_e2e``'s, or the
-    points list a test injects): its points, the floors they set (:func:`kernel_floors`)
-    and the warnings for scenarios left without one (:func:`floors_missing`)."""
+    points list a test injects): its points, the floors they set (:func:`aa_floors`: kernel
+    and wall) and the warnings for scenarios left without a kernel floor
+    (:func:`floors_missing`)."""
     from . import e2e
 
     aa_points = [p for p in getattr(result, "points", result) or []
                  if p.get("arm") == COMPILE_AA_ARM]
-    floors = kernel_floors(aa_points)
+    floors = aa_floors(aa_points)
     info = getattr(result, "arms_info", None) or {}
     gaps = floors_missing(aa_points, floors, scenarios,
                           info.get(COMPILE_AA_ARM) if isinstance(info, dict) else None)
     return floors, {"arm": COMPILE_AA_ARM, "env": e2e.COMPILE_AA_ENV, "points": aa_points,
-                    "floors": floors, "missing": gaps}
+                    "floors": dict(floors), "wall_floors": floors.wall, "missing": gaps}
+
+
+class Floors(dict):
+    """What an effect must clear, per scenario, set by an A/A: the dict itself maps a
+    scenario to its **kernel** floor (:func:`kernel_floors`, as every caller has read it since
+    rule /2), and ``wall`` maps it to its **wall** floor (:func:`wall_floors`). A plain dict
+    of kernel floors still works everywhere (its wall floors are then none)."""
+
+    def __init__(self, kernel=None, wall=None):
+        super().__init__(kernel or {})
+        self.wall = dict(wall or {})
+
+
+def aa_floors(aa_points: list) -> Floors:
+    """Both floors an A/A arm's points set (:class:`Floors`)."""
+    return Floors(kernel_floors(aa_points), wall_floors(aa_points))
+
+
+def wall_floors(aa_points: list) -> dict:
+    """Per scenario, the wall floor an A/A's points set: the far edge of its wall CI from
+    1.00 (points of too few repetitions set nothing).
+
+    Why (rule /5). The wall time is the rule's safety net: a routed op's host cost shows
+    there and not in the kernel time. But one vanilla engine against another reads far from
+    1.00 on the H200's host: session 18's A/A at a 2048-token prefill read 1.166 [1.093,
+    1.226] (Qwen3-0.6B, n=10) and 1.115 [1.088, 1.236] (Qwen3.5), and session 15's 1.095
+    [0.952, 1.153] (n=3) — in the run where Qwen3-0.6B's split ``linear`` read 0.769
+    [0.739, 0.882] and was undone as "measurably slower", which session 18, n=10, read
+    0.9955 [0.974, 1.040]. An A/B inside the A/A's reach is a tie (the project's fourth
+    rule), so a wall CI must clear the A/A's far edge before it counts."""
+    return {p["scenario"]: max(0.0, 1.0 - p["ci_low"], p["ci_high"] - 1.0)
+            for p in aa_points if p.get("ci_low") is not None
+            and p.get("ci_high") is not None and enough_reps(p)}
+
+
+def wall_floor(p: dict, floors) -> float:
+    """The wall floor a point must clear: its scenario's in ``floors.wall`` (an A/A's,
+    :func:`wall_floors`), none without one."""
+    return max(0.0, (getattr(floors, "wall", None) or {}).get(p["scenario"], 0.0))
+
+
+def _below(p: dict, floors) -> str:
+    """How a wall-slower point's CI is described: below 1.00, or below the A/A's floor."""
+    f = wall_floor(p, floors)
+    return " below 1.00" if f <= 0 else f" below 1.00 - {f:.1%} (the A/A's wall reach)"
 
 
 def kernel_floors(aa_points: list) -> dict:
@@ -253,15 +302,15 @@ def decide(points: list, floors: Optional[dict] = None) -> tuple:
 
     if all(map(kernel_ci_usable, pts)):
         return _decide_by_kernel(pts, ci, floors or {})
-    faster = [p for p in pts if p["ci_low"] > 1.0]
-    slower = [p for p in pts if p["ci_high"] < 1.0]
+    faster = [p for p in pts if p["ci_low"] > 1.0 + wall_floor(p, floors)]
+    slower = [p for p in pts if p["ci_high"] < 1.0 - wall_floor(p, floors)]
     kernel = [p for p in pts if p.get("kernel_us_arm") and p.get("kernel_us_vanilla")
               and p["kernel_us_arm"] > p["kernel_us_vanilla"] * (1 + KERNEL_TOLERANCE)]
     if faster and slower:
         return "native", ("mixed: faster at " + ", ".join(map(ci, faster)) + "; slower at "
                           + ", ".join(map(ci, slower)))
     if slower:
-        return "native", "slower: " + ", ".join(map(ci, slower)) + " below 1.00"
+        return "native", "slower: " + ", ".join(ci(p) + _below(p, floors) for p in slower)
     if kernel:
         return "native", ("kernel time per step above vanilla's by more than "
                           f"{KERNEL_TOLERANCE:.0%}: " + ", ".join(
@@ -308,7 +357,7 @@ def _decide_by_kernel(pts: list, ci, floors: dict) -> tuple:
     k_slower = [p for p in pts if p["kernel_ci_high"] < 1.0 - floor(p)]
     the_floor = (f"the {KERNEL_FLOOR:.0%} floor" if all(floor(p) <= KERNEL_FLOOR for p in pts)
                  else "each scenario's floor")
-    w_slower = [p for p in pts if p["ci_high"] < 1.0]
+    w_slower = [p for p in pts if p["ci_high"] < 1.0 - wall_floor(p, floors)]
     if k_faster and k_slower:
         return "native", ("mixed: kernel time faster at " + ", ".join(map(kci, k_faster))
                           + "; slower at " + ", ".join(map(kci, k_slower)))
@@ -316,7 +365,7 @@ def _decide_by_kernel(pts: list, ci, floors: dict) -> tuple:
         return "native", (f"kernel slower (beyond {the_floor}): "
                           + ", ".join(map(kci, k_slower)))
     if w_slower:
-        return "native", "slower: " + ", ".join(map(ci, w_slower)) + " below 1.00"
+        return "native", "slower: " + ", ".join(ci(p) + _below(p, floors) for p in w_slower)
     if k_faster:
         return "route", ("faster: " + ", ".join(map(kci, k_faster)) + f" beyond "
                          f"{the_floor}; never measurably slower")
@@ -418,7 +467,8 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     if compile_aa and to_measure:
         warnings = list(warnings) + compile_evidence["missing"]
         # every row keeps the floors it was decided with; the points once, in the document
-        row_compile = {k: compile_evidence[k] for k in ("arm", "floors", "missing")}
+        row_compile = {k: compile_evidence[k] for k in ("arm", "floors", "wall_floors",
+                                                         "missing")}
     else:
         compile_evidence = None
     for op in sorted(set(to_measure) | set(all_native)):
@@ -489,14 +539,15 @@ def split_ops(rows: list) -> list:
 
 def slower_where(points: list, floors: Optional[dict] = None) -> list:
     """The points measurably slower than vanilla by the routing rule's own tests: a kernel
-    CI below 1 minus the scenario's floor (kernel CIs of enough rounds), or a wall CI below
-    1. Points of too few repetitions are not read (:data:`MIN_REPS`)."""
+    CI below 1 minus the scenario's kernel floor (kernel CIs of enough rounds), or a wall CI
+    below 1 minus its wall floor (:func:`wall_floor`: the A/A's reach, none without one).
+    Points of too few repetitions are not read (:data:`MIN_REPS`)."""
     out = []
     for p in points:
         if p.get("ci_low") is None or not enough_reps(p):
             continue
         k = kernel_ci_usable(p) and p["kernel_ci_high"] < 1.0 - scenario_floor(p, floors)
-        if k or p["ci_high"] < 1.0:
+        if k or p["ci_high"] < 1.0 - wall_floor(p, floors):
             out.append(p)
     return out
 
@@ -582,16 +633,26 @@ def confirm_split(db_path: str, model: str, rows: list, scenarios: list, floors,
     doc, warns = {"ops": ops_, "reps": getattr(result, "reps", reps), "results": {}}, []
     for op in ops_:
         pts = [p for p in got if p.get("arm") == served_arm_name(op)]
-        slow = slower_where(pts, floors)
-        verdict = ("slower" if slow else "not slower" if any(map(enough_reps, pts))
-                   else "inconclusive")
-        doc["results"][op] = {"verdict": verdict, "points": pts,
-                              "slower_at": [p["scenario"] for p in slow]}
-        if verdict == "inconclusive":
+        doc["results"][op] = served_verdict(pts, floors)
+        if doc["results"][op]["verdict"] == "inconclusive":
             warns.append(f"{op}: the split as served was not measured (no point with "
                          f"{MIN_REPS}+ repetitions): kept unconfirmed")
     doc["warnings"] = warns
     return settle_split(rows, doc["results"]), doc
+
+
+def served_verdict(points: list, floors=None) -> dict:
+    """The as-served result of one split op from its arm's points (:func:`confirm_split`):
+    ``slower`` where :func:`slower_where` finds a point, ``not slower`` where some point has
+    the repetitions to say so, else ``inconclusive``; with the points, the scenarios it was
+    slower at, and the wall floors it was judged with (``floors.wall``, an A/A's)."""
+    slow = slower_where(points, floors)
+    verdict = ("slower" if slow else "not slower" if any(map(enough_reps, points))
+               else "inconclusive")
+    out = {"verdict": verdict, "points": points, "slower_at": [p["scenario"] for p in slow]}
+    if getattr(floors, "wall", None):
+        out["wall_floors"] = dict(floors.wall)
+    return out
 
 
 def settle_split(rows: list, results: dict) -> list:
