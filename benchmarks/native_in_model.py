@@ -354,7 +354,8 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                     impls[iid] = impl
                     own = clone_args(args)
                     own_args[iid] = own
-                    calls[iid] = (lambda fn=impl.fn, a=own: fn(*a))
+                    # the call the race times (OpImpl.timed: the ropes out of place)
+                    calls[iid] = (lambda fn=impl.timed or impl.fn, a=own: fn(*a))
                 if not calls:
                     continue
                 # CUDA-graph replay at every size, as `fltune calibrate` times by default. (The

@@ -182,3 +182,65 @@ def test_options_are_the_installed_vllms():
     if hasattr(torch._inductor.config, "assume_32bit_indexing"):
         assert patches == {"assume_32bit_indexing":
                            CompilationConfig().dynamic_shapes_config.assume_32_bit_indexing}
+
+
+def test_the_ropes_are_timed_out_of_place_as_the_model_runs_them():
+    """The ropes' ``timed`` (what the race times): vLLM's graph without the in-place
+    write-back, returning the rotated (query, key) and leaving the inputs alone; its values
+    equal what ``fn`` writes back. Every other op is timed as it is called."""
+    assert set(nv.OUT_OF_PLACE_TIMED) == {"rotary_embedding", "mrope"}
+    assert all((impl.timed is not None) == (op in nv.OUT_OF_PLACE_TIMED)
+               for op, impl in IMPLS.items())
+    spec = OPS["rotary_embedding"]
+    dims = {**spec.default_dims, "heads": 2, "kv_heads": 1}
+    args = _inputs("rotary_embedding", 5, torch.float32, dims, seed=3)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    n0 = nv.COMPILES[0]
+    q, k = IMPLS["rotary_embedding"].timed(*args)
+    assert nv.COMPILES[0] - n0 == 1                      # a graph of its own
+    for a, b in zip(args, before):                      # nothing written back
+        assert not isinstance(a, torch.Tensor) or torch.equal(a, b)
+    written = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    IMPLS["rotary_embedding"].fn(*written)
+    assert torch.allclose(q.reshape(written[1].shape), written[1])
+    assert torch.allclose(k.reshape(written[2].shape), written[2])
+    res = parity.check_timed(spec, IMPLS["rotary_embedding"], args, torch.float32)
+    assert res is not None and res.passed, res
+    assert parity.check_timed(OPS["silu_and_mul"], IMPLS["silu_and_mul"], [], torch.float32) \
+        is None
+
+
+def test_the_race_times_timed_and_checks_it_first():
+    """A candidate with ``timed`` is timed through it (parity on ``fn`` and on ``timed``);
+    one whose timed path computes something else fails parity, named as its timed path."""
+    from fltune.dispatch.types import BackendImplKind, OpImpl
+    from fltune.tune import race as race_mod
+    from fltune.tune.bands import Band
+
+    ref = OPS["silu_and_mul"].reference
+    used = {"fn": 0, "timed": 0}
+
+    def fn(*a):
+        used["fn"] += 1
+        return ref(*a)
+
+    def timed(*a):
+        used["timed"] += 1
+        return ref(*a)
+
+    def wrong(*a):
+        return ref(*a) * 2
+
+    good = OpImpl(op_name="silu_and_mul", impl_id="spy.good", kind=BackendImplKind.REFERENCE,
+                  fn=fn, priority=1, backend="spy", timed=timed)
+    bad = OpImpl(op_name="silu_and_mul", impl_id="spy.bad", kind=BackendImplKind.REFERENCE,
+                 fn=ref, priority=1, backend="spy", timed=wrong)
+    settings = race_mod.Settings(device="cpu", reps=3)
+    v = race_mod.race("silu_and_mul", {"intermediate": 64}, torch.float32, Band(1, 8),
+                      [good, bad], settings)
+    got = {o.impl.impl_id: o for o in v.outcomes}
+    assert got["spy.good"].outcome == "timed"
+    assert got["spy.bad"].outcome == "parity_failed"
+    assert got["spy.bad"].reason.startswith("its timed path (OpImpl.timed)")
+    calls_fn = used["fn"]
+    assert used["timed"] > 3 and calls_fn < used["timed"]    # timed is what was timed

@@ -57,6 +57,13 @@ the GEMM that writes its input), and the CUDA-graph capture sizes' static graphs
 timer captures this candidate in a CUDA graph the same way). The in-place ops
 (``fused_add_rms_norm``, the ropes) return new tensors in vLLM's native path; the op
 contract writes them back into the inputs, which the compiled graph does as its last step.
+For the norms that write-back fuses into the one kernel (as the model's ``copy_`` into the
+next subgraph's input does); for the ropes it cannot (each output element reads two
+inputs), so their graph is the rope plus a copy kernel the model never runs — on the H200
+1.3-3.1x the model's rope time (session 18). The race therefore times the ropes out of
+place (``OpImpl.timed``, :data:`OUT_OF_PLACE_TIMED`: the graph without the write-back, as
+the model passes the rotated q/k to attention), after checking that path's values too;
+``fn`` keeps the contract for parity and dispatch.
 
 Guards are skipped, so a compiled graph is only ever called with what it was traced
 for: graphs are cached per (op, every non-tensor argument, every tensor's dtype, device,
@@ -367,7 +374,8 @@ def _ir_native():
 FELL_BACK: dict = {}
 
 
-def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool = False):
+def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool = False,
+           write_back: bool = True):
     spec = OPS[op_name]
     base, _ = sources()[op_name]
     fallback = spec.functional or spec.reference
@@ -376,7 +384,9 @@ def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool =
     tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
     n_args = len(args)
-    mutates = spec.mutates
+    # without the write-back (the timed graph of an out-of-place op: OUT_OF_PLACE_TIMED) the
+    # graph returns vLLM's results, as the model's graph passes them on
+    mutates = spec.mutates if write_back else ()
     device_type = args[tensor_idx[0]].device.type
     in_graph = write_back_in_graph(device_type)
 
@@ -429,7 +439,8 @@ def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool =
         FELL_BACK[op_name] = str(e).splitlines()[0][:160]
         log.warning("fltune native.vllm: %s: vLLM's function does not trace here (%s); "
                     "compiling fltune's reference instead", op_name, FELL_BACK[op_name])
-        return _build(op_name, args, rows_per_token, use_reference=True)
+        return _build(op_name, args, rows_per_token, use_reference=True,
+                      write_back=write_back)
     COMPILES[0] += 1
     graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else (), n_trace)
     if warm is not None:
@@ -472,14 +483,15 @@ class _Graph:
         return ret
 
 
-def compiled_graph(op_name: str, args) -> tuple:
+def compiled_graph(op_name: str, args, write_back: bool = True) -> tuple:
     """(the graph for this call's static signature, the call's result if building the
     graph already ran it, else ``_NOT_RUN``). The workload's rows per token is in the key: a
     graph's kernel configurations were chosen at the size it sets (vLLM's
     max_num_batched_tokens times it, read once when the graph is built: every call passes
     here, and the eager-timed bands time this host path)."""
     rows_per_token = int(current_workload_dims().get("rows_per_token", 1) or 1)
-    key = _key(op_name, args) + (("rows_per_token", rows_per_token),)
+    key = _key(op_name, args) + (("rows_per_token", rows_per_token),
+                                 ("write_back", write_back))
     graph = _graphs.get(key)
     if graph is not None:
         return graph, _NOT_RUN
@@ -487,7 +499,7 @@ def compiled_graph(op_name: str, args) -> tuple:
         graph = _graphs.get(key)
         if graph is not None:
             return graph, _NOT_RUN
-        graph, first = _build(op_name, tuple(args), rows_per_token)
+        graph, first = _build(op_name, tuple(args), rows_per_token, write_back=write_back)
         _graphs[key] = graph
         return graph, first
 
@@ -506,6 +518,25 @@ def _make_fn(op_name):
     return fn
 
 
+#: in-place ops whose native path in vLLM's model is out of place, timed that way
+#: (``OpImpl.timed``): the ropes. vLLM's ``forward_native`` returns new q/k, which the model
+#: passes to attention; the op's contract writes them back, and Inductor cannot rotate in
+#: place (each output element reads two inputs), so the contract's graph adds a copy kernel
+#: the model never runs. (The fused-add norms' write-back fuses into their one kernel, as in
+#: the model, so they are timed as they are called.)
+OUT_OF_PLACE_TIMED = ("rotary_embedding", "mrope")
+
+
+def _make_timed(op_name):
+    """The rope as vLLM's model runs it: its compiled graph without the write-back,
+    returning the rotated (query, key)."""
+    def timed(*args):
+        graph, ret = compiled_graph(op_name, args, write_back=False)
+        return graph(args) if ret is _NOT_RUN else ret
+    timed.__qualname__ = f"native_vllm_{op_name}_out_of_place"
+    return timed
+
+
 def implementations():
     out = []
     for name in OPS:
@@ -513,6 +544,7 @@ def implementations():
             continue
         impl = OpImpl(op_name=name, impl_id=IMPL_ID, kind=BackendImplKind.REFERENCE,
                       fn=_make_fn(name), priority=PRIORITY, backend="native_vllm",
-                      qualify=_qualify, precision_rank=1)
+                      qualify=_qualify, precision_rank=1,
+                      timed=_make_timed(name) if name in OUT_OF_PLACE_TIMED else None)
         out.append(impl)
     return out

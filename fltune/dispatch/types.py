@@ -80,6 +80,15 @@ class OpImpl:
     #: H200 FlashInfer's GDN prefill JIT took over 5 minutes and was refused as "hung"
     #: after 120 s, and vLLM's FLA kernels autotune for ~70 s on first use. Never timed.
     first_call_s: float = 0.0
+    #: the call the race times where it differs from ``fn`` (``None``: ``fn`` itself).
+    #: ``native.vllm`` stands for vLLM's own path as the model runs it, and for the ropes
+    #: that path is out of place (the rotated q/k flow on into attention), while the op's
+    #: contract, which ``fn`` keeps for parity and dispatch, is in place: Inductor cannot
+    #: rotate in place, so ``fn``'s graph is two kernels (the rope, then a copy back) where
+    #: the model runs one — on the H200 1.3-3.1x the model's time (session 18). ``timed``
+    #: returns the outputs instead of writing them; the race checks its values too
+    #: (:func:`fltune.tune.race.race`) before timing it.
+    timed: Optional[Callable[..., Any]] = field(default=None, repr=False)
 
     def __post_init__(self):
         self.kind = BackendImplKind(self.kind)

@@ -177,3 +177,29 @@ def check_candidate(spec: OpSpec, impl, args: list, dims: dict, dtype: torch.dty
                             lay.layouts)
     p.layouts = lay.layouts
     return p
+
+
+def as_contract(spec: OpSpec, fn):
+    """``fn`` (which returns an in-place op's outputs instead of writing them: an
+    ``OpImpl.timed``) wrapped to keep the op's contract, so :func:`check` can score it."""
+    def call(*args):
+        ret = fn(*args)
+        if not spec.mutates:
+            return ret
+        rets = ret if isinstance(ret, (tuple, list)) else (ret,)
+        for i, r in zip(spec.mutates, rets):
+            args[i].copy_(r)
+        return tuple(args[i] for i in spec.mutates)
+    return call
+
+
+def check_timed(spec: OpSpec, impl, args: list, dtype: torch.dtype, *,
+                reference: Optional[list] = None,
+                floor: float = PARITY_FLOOR) -> Optional[ParityResult]:
+    """Parity of the call the race times when it is not ``fn`` (``OpImpl.timed``), on the
+    tidy inputs; ``None`` when the candidate has none. A timed path that computes something
+    else would be timing the wrong thing."""
+    if getattr(impl, "timed", None) is None:
+        return None
+    return check(spec, as_contract(spec, impl.timed), args, dtype, reference=reference,
+                 floor=floor)

@@ -177,6 +177,12 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
         # views, padded rows, mixed dtypes: ``ops/layouts.py``), checked once per shape
         p = parity.check_candidate(spec, impl, args, dims, dtype, reference=ref,
                                    floor=settings.parity_floor)
+        # the call the race will time, where it is not fn (OpImpl.timed), computes the op too
+        pt = parity.check_timed(spec, impl, args, dtype, reference=ref,
+                                floor=settings.parity_floor) if p.passed else None
+        if pt is not None and not pt.passed:
+            p = pt
+            p.reason = f"its timed path (OpImpl.timed): {pt.reason}"
         if p.reason and p.reason.startswith("raised"):
             outcomes.append(Outcome(impl, "refused", p.reason, p))
         elif not p.passed:
@@ -192,7 +198,7 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
     calls = {}
     for o in passing + failing:
         own = clone_args(args)
-        calls[o.impl.impl_id] = (lambda fn=o.impl.fn, a=own: fn(*a))
+        calls[o.impl.impl_id] = (lambda fn=o.impl.timed or o.impl.fn, a=own: fn(*a))
     cold = settings.cold_l2 and band.tokens > 512
     eager = not cold and band.tokens > settings.graph_limit
     times = timing.time_candidates(calls, settings.device, reps=settings.reps,

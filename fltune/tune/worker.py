@@ -103,19 +103,22 @@ def _guarded(impl, conn):
     """A copy of ``impl`` whose fn exits the worker after a CUDA fault: once the context is
     poisoned every later candidate in this process would fail too, wrongly."""
     import copy
-    fn = impl.fn
 
-    def guarded(*args):
-        try:
-            return fn(*args)
-        except Exception as e:
-            text = f"{type(e).__name__}: {e}"
-            if any(m in text for m in _CUDA_FAULT_MARKERS):
-                conn.send(("fault", impl.impl_id, text.splitlines()[0][:300]))
-                os._exit(CUDA_FAULT_EXIT)
-            raise
+    def guard(fn):
+        def guarded(*args):
+            try:
+                return fn(*args)
+            except Exception as e:
+                text = f"{type(e).__name__}: {e}"
+                if any(m in text for m in _CUDA_FAULT_MARKERS):
+                    conn.send(("fault", impl.impl_id, text.splitlines()[0][:300]))
+                    os._exit(CUDA_FAULT_EXIT)
+                raise
+        return guarded
     g = copy.copy(impl)
-    g.fn = guarded
+    g.fn = guard(impl.fn)
+    if impl.timed is not None:          # the call the race times (OpImpl.timed)
+        g.timed = guard(impl.timed)
     return g
 
 
