@@ -332,6 +332,10 @@ def test_a_wall_effect_inside_the_aa_reach_is_a_tie():
     assert "tie" in decide([_pt("decode_b1", 0.96, 0.98)], wall_only)[1]
     # a plain dict of kernel floors (every caller before rule /5) has no wall floors
     assert decide(split, dict(floors))[0] == "native"
+    # an A/A whose kernel CIs were too few rounds sets wall floors only: they still hold
+    walls_only = aa_floors([{**p, "kernel_n": 1} for p in aa])
+    assert not walls_only and walls_only.wall == walls
+    assert decide(split, walls_only)[0] == "route"
 
 
 def test_tie_reason_names_each_ci():

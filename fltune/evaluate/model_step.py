@@ -301,7 +301,8 @@ def decide(points: list, floors: Optional[dict] = None) -> tuple:
         return f"{p['scenario']} CI [{p['ci_low']:.3f}, {p['ci_high']:.3f}]"
 
     if all(map(kernel_ci_usable, pts)):
-        return _decide_by_kernel(pts, ci, floors or {})
+        # (an empty Floors is falsy but may still carry wall floors: keep the object)
+        return _decide_by_kernel(pts, ci, floors if floors is not None else {})
     faster = [p for p in pts if p["ci_low"] > 1.0 + wall_floor(p, floors)]
     slower = [p for p in pts if p["ci_high"] < 1.0 - wall_floor(p, floors)]
     kernel = [p for p in pts if p.get("kernel_us_arm") and p.get("kernel_us_vanilla")
