@@ -18,7 +18,7 @@ Two parts in one process, so they see the same GPU, clocks and library versions:
    with its parameters cold (``params_cold``), and every candidate right after the GEMM that
    writes its input (``in_context``), to tell where the model's extra time per call comes
    from and whether that context reorders the candidates (``in_context_ranking``; run with
-   ``--impls native.vllm,vendor.flashinfer,flaggems,vendor.vllm`` to have several).
+   ``--impls native.vllm,vendor.flashinfer,default.flagos,vendor.vllm`` to have several).
 
 Attribution. Inductor names a generated kernel after the aten ops it fused
 (``triton_poi_fused_mul_silu_slice_0``), so a standalone ``native.vllm`` kernel and the
@@ -273,28 +273,27 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
         if not producer.weights:
             return {"skipped": f"{op} has no token-sized input for a GEMM to write"}
         n = max(n, *producer.weights)
+
+        def rounds(k):
+            for i in range(k):
+                producer(i)
+                call()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):           # warm-up outside the capture
-            for i in range(2):
-                producer(i)
-                call()
+            rounds(2)
         torch.cuda.current_stream().wait_stream(stream)
         captured = True
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
-                for i in range(n):
-                    producer(i)
-                    call()
+                rounds(n)
             run = graph.replay
         except Exception:                         # a call that cannot be captured
             captured = False
 
             def run():
-                for i in range(n):
-                    producer(i)
-                    call()
+                rounds(n)
         run()
         torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CUDA]) as p:
@@ -330,6 +329,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
         seen.add((item.op, item.dims))
         spec, dims = OPS[item.op], item.dims_dict
         dtype = dtype_from_name(item.dtype)
+        ctx = QualifyContext("cuda", dtype, torch.cuda.get_device_capability())
         for name in scenarios:
             # as the race calls them: native.vllm reads the rows per token here (its trace size)
             with workload_dims(dims):
@@ -338,7 +338,6 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                 gen = torch.Generator().manual_seed(0)
                 args = spec.make_inputs(tokens, dims, dtype, "cuda", gen)
                 calls, impls, own_args, unqualified = {}, {}, {}, {}
-                ctx = QualifyContext("cuda", dtype, torch.cuda.get_device_capability())
                 for iid in impl_ids:
                     try:
                         impl = reg.get(item.op, iid)

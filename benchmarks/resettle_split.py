@@ -37,17 +37,16 @@ from fltune.store import CalibrationDB
 
 
 def split_rows(db_path: str, model_name: str, op: str) -> list:
-    """The op's rows for the model (by its profile name) in a DB, every range."""
+    """The op's rows for the model (by its profile name) in a DB, every range, through the
+    store's own reader (evidence decoded, every device of the DB)."""
     db = CalibrationDB(db_path, create=False)
     try:
-        rows = [r for r in db.db["route_decisions"].rows_where(
-            "model_name = ? and op = ?", [model_name, op], order_by="min_tokens")]
+        rows = [r for d in db.devices()
+                for r in db.route_decisions(d["device_key"], d["driver"])
+                if r["model_name"] == model_name and r["op"] == op]
     finally:
         db.close()
-    for r in rows:
-        r["evidence"] = json.loads(r["evidence"]) if isinstance(r["evidence"], str) \
-            else r["evidence"]
-    return rows
+    return sorted(rows, key=lambda r: r["min_tokens"])
 
 
 def judged(summary_path: str, arm: str, aa: str, kernel_floors: dict) -> dict:
@@ -103,11 +102,11 @@ def main(argv=None) -> int:
         return 0
     db = CalibrationDB(a.db, create=False, write=True)
     try:
-        keys = {(r["device_key"], r["driver"]) for r in new}
-        have = {(d["device_key"], d["driver"]) for d in db.db["devices"].rows}
-        if not keys <= have:
-            sys.exit(f"{a.db} holds no device {sorted(keys - have)}: the rows belong to "
-                     f"another device's DB")
+        missing = sorted({(r["device_key"], r["driver"]) for r in new
+                          if db.device(r["device_key"], r["driver"]) is None})
+        if missing:
+            sys.exit(f"{a.db} holds no device {missing}: the rows belong to another "
+                     f"device's DB")
         db.record_route_decisions(new)
     finally:
         db.close()
