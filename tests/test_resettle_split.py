@@ -1,4 +1,5 @@
-"""benchmarks/resettle_split.py on a copy of the shipped H200 DB (real rows, real SQLite):
+"""benchmarks/resettle_split.py on a copy of the shipped H200 DB (real rows, real SQLite:
+Qwen3.5-0.8B's `linear` split, the one the DB still holds since session 19 undid Qwen3-0.6B's):
 a later as-served run judged by rule model-step/5 keeps or undoes a per-range split, the
 A/A's wall reach decides what "measurably slower" means, and bad input changes nothing."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "db" / "NVIDIA-H200_driver-580.159.04.db"
+MODEL = "Qwen3.5-0.8B"
 
 
 def _script():
@@ -23,7 +25,7 @@ def _script():
     return mod
 
 
-def _rows(db, model="Qwen3-0.6B", op="linear"):
+def _rows(db, model=MODEL, op="linear"):
     con = sqlite3.connect(db)
     try:
         return con.execute("select decision, min_tokens, max_tokens, rule, evidence from "
@@ -62,7 +64,7 @@ def test_a_slowdown_beyond_the_aa_reach_undoes_the_split_inside_it_keeps_it(db, 
                                              ("prefill_2048", 0.85, 0.95)], aa)
     beyond = _summary(tmp_path / "out.json", [("decode_b1", 0.97, 1.03),
                                               ("prefill_2048", 0.80, 0.88)], aa)
-    args = ["--db", str(db), "--rows-from", str(db), "--model", "Qwen3-0.6B", "--op", "linear"]
+    args = ["--db", str(db), "--rows-from", str(db), "--model", MODEL, "--op", "linear"]
     assert mod.main(args + ["--served", inside]) == 0
     kept = _rows(db)
     assert [r[:3] for r in kept] == [("route", 1, 512), ("native", 513, None)]
@@ -74,7 +76,7 @@ def test_a_slowdown_beyond_the_aa_reach_undoes_the_split_inside_it_keeps_it(db, 
     # one native row over every size, the split kept in the evidence
     src = tmp_path / "rows.db"
     shutil.copy(db, src)
-    assert mod.main(["--db", str(db), "--rows-from", str(src), "--model", "Qwen3-0.6B",
+    assert mod.main(["--db", str(db), "--rows-from", str(src), "--model", MODEL,
                      "--op", "linear", "--served", beyond, "--earlier", inside]) == 0
     (row,) = _rows(db)
     assert row[:3] == ("native", 1, None)
@@ -87,7 +89,7 @@ def test_a_slowdown_beyond_the_aa_reach_undoes_the_split_inside_it_keeps_it(db, 
 def test_bad_input_writes_nothing(db, tmp_path):
     mod = _script()
     before = db.read_bytes()
-    base = ["--db", str(db), "--rows-from", str(db), "--model", "Qwen3-0.6B", "--op", "linear"]
+    base = ["--db", str(db), "--rows-from", str(db), "--model", MODEL, "--op", "linear"]
     no_aa = _summary(tmp_path / "noaa.json", [("decode_b1", 0.97, 1.03)], [])
     with pytest.raises(SystemExit, match="no point of the A/A arm 'aa'"):
         mod.main(base + ["--served", no_aa])
@@ -96,7 +98,7 @@ def test_bad_input_writes_nothing(db, tmp_path):
     with pytest.raises(SystemExit, match="no point of arm 'served'"):
         mod.main(base + ["--served", ok, "--arm", "served"])
     with pytest.raises(SystemExit, match="not a split by token range"):
-        mod.main(["--db", str(db), "--rows-from", str(db), "--model", "Qwen3-0.6B",
+        mod.main(["--db", str(db), "--rows-from", str(db), "--model", MODEL,
                   "--op", "silu_and_mul", "--served", ok])
     assert mod.main(base + ["--served", ok, "--dry-run"]) == 0
     assert db.read_bytes() == before
