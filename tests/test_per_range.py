@@ -102,6 +102,26 @@ def test_decide_per_range_routes_decode_and_leaves_prefill_native():
 
 # ---- schema 6 -----------------------------------------------------------------------------
 
+def test_coverage_gaps_names_a_routed_range_measured_far_below_its_top():
+    from fltune.evaluate.model_step import coverage_gaps
+
+    tokens = {"decode_b1": 1, "decode_b16": 16, "decode_b64": 64, "prefill_2048": 2048}
+
+    def row(decision, lo, hi, *scen):
+        return {"model_name": "M", "op": "linear", "decision": decision, "min_tokens": lo,
+                "max_tokens": hi, "evidence": {"points": [{"scenario": x} for x in scen]}}
+    # session 19's case: 1-512 routed from 1 and 16 tokens
+    (w,) = coverage_gaps([row("route", 1, 512, "decode_b1", "decode_b16")], tokens)
+    assert "routed at 1-512" in w and "1, 16 token(s)" in w and "decode_b64" in w
+    # a scenario at 64 tokens covers 512 (factor 8); native ranges and the open top range
+    # are not checked
+    assert coverage_gaps([row("route", 1, 512, "decode_b1", "decode_b64"),
+                          row("native", 1, 512, "decode_b1"),
+                          row("route", 513, None, "prefill_2048")], tokens) == []
+    # a smaller range is covered by a smaller scenario
+    assert coverage_gaps([row("route", 1, 128, "decode_b16")], tokens) == []
+
+
 def _old_db(path: Path, version: int) -> None:
     """A DB as fltune with schema ``version`` (4 or 5) wrote it, with one decision."""
     db = old_schema_db(path, version, device_and_run=False)
@@ -257,6 +277,9 @@ def test_adjudicate_per_range_writes_ranges_and_freeze_carries_them(cal_db, tmp_
         ["decode_b1"]
     assert got[("rms_norm", 1, 512)]["evidence"]["scenario_tokens"] == {
         "decode_b1": 1, "prefill_1024": 1024}
+    # routed at 1-512 from one token per step: said, with the scenario that would cover it
+    gaps = [w for w in doc["warnings"] if "unmeasured" in w]
+    assert len(gaps) == 1 and "rms_norm: routed at 1-512" in gaps[0] and "decode_b64" in gaps[0]
     # report: one entry per range
     rep = report.build(str(db))
     rows = {(d["op"], d["min_tokens"], d["max_tokens"]): d["decision"]
