@@ -16,7 +16,8 @@ Two parts in one process, so they see the same GPU, clocks and library versions:
    race times them (``tune/timing.py``: CUDA-graph replay), and
    profiled once so their kernels' names and durations are known too; ``native.vllm`` also
    with its parameters cold (``params_cold``), and every candidate right after the GEMM that
-   writes its input (``in_context``), to tell where the model's extra time per call comes
+   writes its input (``in_context``), and with the step's cache state (``in_step``: L2
+   evicted, only that input written afresh), to tell where the model's extra time per call comes
    from and whether that context reorders the candidates (``in_context_ranking``; run with
    ``--impls native.vllm,vendor.flashinfer,default.flagos,vendor.vllm`` to have several).
 
@@ -210,7 +211,7 @@ CONTEXT_WEIGHT_BYTES = 64 << 20
 
 
 def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_BYTES,
-              seed: int = 0):
+              seed: int = 0, first_only: bool = False):
     """One GEMM per token-sized floating input of ``op`` that writes it, as the layer
     before it does in a model step (the down or out projection writes a norm's input, the
     gate_up projection silu_and_mul's): ``producer(i)`` runs round ``i`` (every input
@@ -219,13 +220,15 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     at least that many rounds to use them all. ``src`` is scaled by 1/sqrt(k), so the
     written values stay activation-sized; both are drawn on the inputs' device. Inputs that
     are not contiguous get the product copied in. ``producer.weights`` is empty when the op
-    has no such input (nothing to produce)."""
+    has no such input (nothing to produce). ``first_only``: only the op's first such input
+    (the one the kernel before it writes: a norm's ``x``, not the residual that arrives from
+    the layer before; :func:`in_context` with ``step``)."""
     import math
     import torch
 
     per_arg, gens = [], {}
     for _, a in token_inputs(args, op):
-        if a.dim() != 2:
+        if a.dim() != 2 or (first_only and per_arg):
             continue
         gen = gens.get(a.device)
         if gen is None:
@@ -251,7 +254,12 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     return producer
 
 
-def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
+#: bytes an in-step round writes before its producer (:func:`in_context` with ``step``):
+#: more than the H200's 50 MiB L2, so what the round does not write afresh comes from memory
+STEP_FLUSH_BYTES = 128 << 20
+
+
+def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False) -> dict:
     """The candidate's kernels right after the GEMM that writes their input, as in a model
     step, in one CUDA graph (:func:`producers`): round i = producer GEMM(s) with the i-th
     weight, then the call; at least ``n`` rounds and at least one per producer weight (a
@@ -264,18 +272,37 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
     If this closes the gap, the context costs every candidate alike; if not, the model's
     kernels do more work. Only the candidate's own kernels (``names``) are counted;
     ``captured`` says whether the CUDA graph held (else eager launches, with the host's gaps
-    between them)."""
+    between them).
+
+    ``step`` (the *in-step* profile): the cache state of a model step, not only its launch
+    context. Each round first overwrites :data:`STEP_FLUSH_BYTES` (L2 evicted), then the
+    producer writes the op's first token input only (:func:`producers` ``first_only``), so
+    every other input comes from memory, as a fused-add norm's residual does in the model
+    (written a layer earlier, with the MLP's weights streamed through L2 since). Why: the
+    session-19 H200 run read Qwen3-0.6B's two in-model fused-add norm kernels at 1.54 and
+    1.17 µs per token-tensor pass at 2048 tokens (2 loads + 1 store and 3 loads + 2 stores:
+    the pair moves the residual's store into a load of the next kernel, 8 passes per two
+    calls as the candidate's 4 per call), the candidate at 0.94 warm and 1.0 in context:
+    equal work, slower per pass in the model. The hypothesis this profile tests: the
+    residual comes from HBM there, while the in-context rounds (both inputs just written)
+    keep it in L2. If it closes the gap, the race's stand-in differs from the model by cache
+    state alone (every candidate pays it alike in the model); if not, the two kernels'
+    launch configurations are next (``launches``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     try:
-        producer = producers(args, op)
+        producer = producers(args, op, first_only=step)
         if not producer.weights:
             return {"skipped": f"{op} has no token-sized input for a GEMM to write"}
         n = max(n, *producer.weights)
+        flush = (torch.empty(STEP_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+                 if step else None)
 
         def rounds(k):
             for i in range(k):
+                if flush is not None:
+                    flush.fill_(i % 127)
                 producer(i)
                 call()
         stream = torch.cuda.Stream()
@@ -303,6 +330,7 @@ def in_context(call, args, op: str, names: set, n: int = 16) -> dict:
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     out = per_call(kernels_of(p), n, names)
     out["captured"] = captured
+    out["step"] = step
     out["producer_weight_mib"] = round(producer.weight_bytes / 2**20, 1)
     out["rounds"] = n
     return out
@@ -394,6 +422,10 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                     if item.op != "linear":
                         row.setdefault("kernels_in_context", {})[iid] = in_context(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))
+                        if iid == "native.vllm":    # the model step's cache state too
+                            row.setdefault("kernels_in_step", {})[iid] = in_context(
+                                calls[iid], own_args[iid], item.op,
+                                set(row["kernels"][iid]), step=True)
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
@@ -481,12 +513,14 @@ def attribute(doc: dict) -> list:
         kern_cold = kernel_us((row.get("kernels_params_cold") or {}).get("native.vllm"))
         ctx = (row.get("kernels_in_context") or {}).get("native.vllm") or {}
         kern_ctx = kernel_us(ctx)
+        kern_step = kernel_us((row.get("kernels_in_step") or {}).get("native.vllm"))
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
                  "native_kernel_us": round(kern, 3), "native_kernel_params_cold_us": kern_cold,
                  "native_kernel_in_context_us": kern_ctx,
                  "in_context_captured": ctx.get("captured"),
+                 "native_kernel_in_step_us": kern_step,
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
                  "stem_shared_by": len(sharers)}
@@ -511,6 +545,8 @@ def attribute(doc: dict) -> list:
                 entry["params_cold_vs_model"] = round(kern_cold / per_call, 3)
             if kern_ctx:
                 entry["in_context_vs_model"] = round(kern_ctx / per_call, 3)
+            if kern_step:
+                entry["in_step_vs_model"] = round(kern_step / per_call, 3)
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -591,14 +627,15 @@ def print_table(table: list) -> None:
     against the model's: is it the same code?), then the race's figure (CUDA-graph replay,
     which adds the launch gap between replayed kernels, about the same for every candidate)."""
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
-          "| params cold µs | ratio | in context µs | ratio | native.vllm race µs | ratio "
-          "| inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| params cold µs | ratio | in context µs | ratio | in step µs | ratio "
+          "| native.vllm race µs | ratio | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
               f"{e.get('native_kernel_params_cold_us')} | {e.get('params_cold_vs_model', '-')} | "
               f"{e.get('native_kernel_in_context_us')} | {e.get('in_context_vs_model', '-')} | "
+              f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

@@ -85,6 +85,12 @@ def test_in_context_column_compares_the_candidate_after_its_producer_with_the_mo
     doc["alone"]["rows"][0]["kernels_in_context"] = {"native.vllm": {"raised": "OOM"}}
     (e,) = nim.attribute(doc)
     assert e["native_kernel_in_context_us"] is None and "in_context_vs_model" not in e
+    assert e["native_kernel_in_step_us"] is None and "in_step_vs_model" not in e
+    # the in-step profile (the step's cache state) gets a column of its own
+    doc["alone"]["rows"][0]["kernels_in_step"] = {
+        "native.vllm": {"triton_per_fused_0": [1.0, 2.2], "captured": True, "step": True}}
+    (e,) = nim.attribute(doc)
+    assert e["native_kernel_in_step_us"] == 2.2 and e["in_step_vs_model"] == 1.1
 
 
 def test_producers_write_each_token_input_with_a_gemm_rotating_through_more_than_l2():
@@ -116,6 +122,14 @@ def test_producers_write_each_token_input_with_a_gemm_rotating_through_more_than
     strided = [buf[:, :64], args[1], args[2], args[3]]
     nim.producers(strided, "gemma_fused_add_rms_norm", k=32, weight_bytes=budget)(0)
     assert torch.equal(buf[:, :64], x0) and bool((buf[:, 64:] == 7.0).all())
+    # the in-step rounds write the first input only: the residual stays as it was (read
+    # cold in the model, a layer after it was written)
+    res = args[1].clone()
+    first = nim.producers(args, "gemma_fused_add_rms_norm", k=32, weight_bytes=budget,
+                          first_only=True)
+    assert first.weights == [budget // one]
+    first(3)
+    assert torch.equal(args[1], res) and not torch.equal(args[0], x0)
 
 
 def test_launch_configurations_of_both_sides_are_set_side_by_side():
