@@ -26,6 +26,7 @@ Reads partial raw files (``e2e-raw.partial.json``, a run cut by its time limit) 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -61,7 +62,10 @@ def main(argv=None):
     ap.add_argument("--gate", type=float, default=1.25,
                     help="keep only runs whose probes read within this factor (per run)")
     a = ap.parse_args(argv)
-    raw = json.load(open(a.raw))
+    # (committed raw files are stored gzipped: benchmarks/results/README.md)
+    opener = gzip.open if a.raw.endswith(".gz") else open
+    with opener(a.raw, "rt") as f:
+        raw = json.load(f)
     base = raw["baseline"]
     scen = {s["name"]: Scenario(**s) for s in raw["scenarios"]}
     samples = [s for s in raw["samples"] if all("probe_us" in h for h in s.get("host", []))]
