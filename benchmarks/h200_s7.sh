@@ -125,10 +125,10 @@ shipped_db() {
 call_left() { echo $(( ${CALL_S:-570} - $(date +%s) + t0 )); }
 # `linear` decided per token range on $DB: LIMIT (the instrument's), TIMEOUT, REPS
 # (decode_b64 in the default since session 19: a 1-512 route judged at 1 and 16 tokens lost
-# 2 % kernel time at 64, model_step.coverage_gaps)
+# 2 % kernel time at 64, model_step.coverage_gaps; EDGES=32,512 splits finer)
 adjudicate_linear_per_range() {
   FLTUNE_E2E_TIME_LIMIT=$1 timeout $2 python3 -m fltune adjudicate --db $DB --model "$P" \
-    --ops linear --per-range --reps $3 --warmup 1 \
+    --ops linear --per-range ${EDGES:-512} --reps $3 --warmup 1 \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,decode_b64,prefill_2048}" \
     --out "$W/adjudicate" --json > "$W/adjudicate.json"; echo "adjudicate rc=$?"
 }

@@ -6,7 +6,8 @@
 # (tracked and untracked-not-ignored files). On 2026-12-01 chunks of 51 MiB that had fitted
 # earlier were refused once the checkout had grown to ~15 MiB, and the machine went cold while
 # they were re-cut. So each folder gets 64 MiB - the checkout - VE_MARGIN_MIB (default 4: the
-# last call also carries .whl, ~7 MiB, so that folder is cut smaller; session 18: 6 left under 16 MiB a call beside a 36 MiB checkout, 4 fitted it in 17 calls).
+# last call also carries .whl, ~7 MiB, so that folder is cut smaller; session 18: 6 left under 16 MiB a call beside a 36 MiB checkout, 4 fitted it in 17 calls; session 19
+# gzipped the big raw results: a 27 MiB checkout, 12 calls).
 #
 # Run here, in the checkout, where pip reaches PyPI (downloads ~330 MB once into .vstage/):
 #   scripts/stage-vllm.sh            # prints the calls to make back to back on a warm machine
