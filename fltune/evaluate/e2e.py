@@ -324,7 +324,7 @@ class _Proc:
 
 POINT_KEYS = ("scenario", "arm", "n", "ratio_median", "ci_low", "ci_high", "kernel_us_arm",
               "kernel_us_vanilla", "step_us_arm", "step_us_vanilla", "kernel_n",
-              "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high")
+              "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high", "kernel_top_deltas")
 
 
 @dataclass
@@ -986,6 +986,45 @@ def _kernel_rounds(res) -> list:
     return [us] if us is not None else []
 
 
+def kernel_deltas(base: dict | None, arm: dict | None, n: int = 5) -> list:
+    """The kernels whose time per step differs most between the baseline's profile and an
+    arm's (each a worker ``profile`` result with ``top_kernels``: its first profiled round),
+    largest difference first: ``[{name, us_vanilla, us_arm, delta_us}]`` (delta = arm -
+    vanilla, µs per step; a kernel only one side runs has None on the other).
+
+    Why: the kernel ratio says *that* a step's GPU time moved, not *where*. On the H200
+    (session 19) an A/A of two vanilla engines read 1.4 % apart at batch-16 decode, all of
+    it FlashAttention's decode kernel (265 against 249 µs per step: attention reads each
+    engine's own KV-cache blocks); and Qwen3-0.6B's GEMM split lost 2 % at batch 64 in one
+    place, FlagGems' mm for the down projection (250 µs per step) where vanilla ran cuBLAS's
+    split-K GEMM and its reduction (151 + 53). Only the ``top`` kernels of each side are
+    listed; a kernel missing from one side's list counts as absent there only where that
+    list is short or ends above the kernel's time (it would have been listed), else it is
+    left out (unknown)."""
+    def tops(res):
+        return {k["name"]: k["us_per_step"] for k in (res or {}).get("top_kernels") or []}
+
+    a, b = tops(base), tops(arm)
+    if not a or not b:
+        return []
+    listed = {id(a): (base or {}).get("top_n", 20), id(b): (arm or {}).get("top_n", 20)}
+
+    def absent_in(side: dict, us: float) -> bool:    # would it have made that list?
+        return len(side) < listed[id(side)] or us > min(side.values())
+
+    out = []
+    for name in set(a) | set(b):
+        ua, ub = a.get(name), b.get(name)
+        if ua is None and not absent_in(a, ub):
+            continue
+        if ub is None and not absent_in(b, ua):
+            continue
+        out.append({"name": name, "us_vanilla": ua, "us_arm": ub,
+                    "delta_us": round((ub or 0.0) - (ua or 0.0), 3)})
+    out.sort(key=lambda d: -abs(d["delta_us"]))
+    return out[:n]
+
+
 def compute_points(samples: list, scenarios: list, arm_names: list, baseline: str,
                    kernels: dict | None = None) -> list:
     """One point per (scenario, non-baseline arm) from the paired per-repetition samples."""
@@ -1017,6 +1056,7 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
                 # kernels are faster), median and paired bootstrap CI like the wall ratio
                 "kernel_n": len(kpairs), "kernel_ratio_median": kmed,
                 "kernel_ci_low": klo, "kernel_ci_high": khi,
+                "kernel_top_deltas": kernel_deltas(k.get(baseline), k.get(name)),
                 "step_us_arm": _median([t for _, t in pairs]) * 1e6,
                 "step_us_vanilla": _median([b for b, _ in pairs]) * 1e6,
                 "ci_half_width": (hi - lo) / 2, "ratios": ratios})

@@ -224,7 +224,7 @@ class Worker:
                                     for n, (us, c) in sorted(coll.items(), key=lambda kv: -kv[1][0])]
             extra["collective_us_per_step"] = round(sum(v[0] for v in coll.values()), 3)
         return {"kernel_us_per_step": total, "profiled_wall_s_per_step": wall, **extra,
-                "top_kernels": [{"name": n[:200], "us_per_step": round(us, 3),
+                "top_n": top, "top_kernels": [{"name": n[:200], "us_per_step": round(us, 3),
                                  "calls_per_step": round(c, 3)} for n, (us, c) in tops]}
 
     def cmd_hostprof(self, scenario: dict, runs: int = 3, top: int = 200) -> dict:
