@@ -28,7 +28,7 @@ import torch
 
 from ..dispatch.types import OpImpl, QualifyContext
 from ..ops import get_op, workload_dims
-from ..ops.base import DTYPE_NAMES, clone_args
+from ..ops.base import clone_args
 from . import parity, timing
 from .bands import Band
 

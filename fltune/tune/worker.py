@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-import time
 from dataclasses import asdict
 from typing import Optional
 
