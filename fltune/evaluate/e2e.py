@@ -999,25 +999,27 @@ def kernel_deltas(base: dict | None, arm: dict | None, n: int = 5) -> list:
     place, FlagGems' mm for the down projection (250 µs per step) where vanilla ran cuBLAS's
     split-K GEMM and its reduction (151 + 53). Only the ``top`` kernels of each side are
     listed; a kernel missing from one side's list counts as absent there only where that
-    list is short or ends above the kernel's time (it would have been listed), else it is
-    left out (unknown)."""
+    list is short or ends below the kernel's time (it would have been listed), else it is
+    left out (unknown). Names the worker cut to the same 200 characters are summed."""
     def tops(res):
-        return {k["name"]: k["us_per_step"] for k in (res or {}).get("top_kernels") or []}
+        out: dict = {}
+        for k in (res or {}).get("top_kernels") or []:
+            out[k["name"]] = out.get(k["name"], 0.0) + k["us_per_step"]
+        return out, len((res or {}).get("top_kernels") or []), (res or {}).get("top_n", 20)
 
-    a, b = tops(base), tops(arm)
+    (a, a_len, a_top), (b, b_len, b_top) = tops(base), tops(arm)
     if not a or not b:
         return []
-    listed = {id(a): (base or {}).get("top_n", 20), id(b): (arm or {}).get("top_n", 20)}
 
-    def absent_in(side: dict, us: float) -> bool:    # would it have made that list?
-        return len(side) < listed[id(side)] or us > min(side.values())
+    def absent_in(side: dict, side_len: int, top_n: int, us: float) -> bool:
+        return side_len < top_n or us > min(side.values())   # would it have been listed?
 
     out = []
     for name in set(a) | set(b):
         ua, ub = a.get(name), b.get(name)
-        if ua is None and not absent_in(a, ub):
+        if ua is None and not absent_in(a, a_len, a_top, ub):
             continue
-        if ub is None and not absent_in(b, ua):
+        if ub is None and not absent_in(b, b_len, b_top, ua):
             continue
         out.append({"name": name, "us_vanilla": ua, "us_arm": ub,
                     "delta_us": round((ub or 0.0) - (ua or 0.0), 3)})

@@ -541,9 +541,6 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                          "evidence": {**evidence, "points": mine, "range_edges": op_edges,
                                       "scenario_tokens": {s["name"]: scenario_tokens(s)
                                                           for s in scen}}})
-    if edges is not None:
-        warnings = list(warnings) + coverage_gaps(
-            rows, {sc["name"]: scenario_tokens(sc) for sc in scen})
     confirmation = None
     if confirm and edges is not None:
         left = limit - (time.monotonic() - t_start) if limit else None
@@ -552,6 +549,9 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             warmup=warmup, engine=engine, kernel_profile=kernel_profile,
             out_dir=out_dir, progress=progress, time_limit_s=left)
         warnings = list(warnings) + confirmation.get("warnings", [])
+    if edges is not None:     # on the rows as stored (a split undone routes nothing)
+        warnings = list(warnings) + coverage_gaps(
+            rows, {sc["name"]: scenario_tokens(sc) for sc in scen})
     db = CalibrationDB(db_path, create=False, write=True)
     try:
         db.record_route_decisions(rows)
