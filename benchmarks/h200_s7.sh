@@ -101,7 +101,13 @@ el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 [ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
 W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}; mkdir -p "$W"
 # (the cache sizes say whether carrying warm caches to a later machine would pay)
+# (a phase's archive over 15 MiB comes back in parts, $OUT/<phase>.tgz.partN, join with
+# `cat <phase>.tgz.part* > <phase>.tgz`: the device tool leaves out any file over its limit,
+# which lost session 20's Qwen3.5 PHASE=native archive, 18 MB of Inductor code)
 pack() { tar -czf "$OUT/$(basename "$W").tgz" -C "$(dirname "$W")" "$(basename "$W")"
+         if [ "$(stat -c %s "$OUT/$(basename "$W").tgz")" -gt $((15 * 1024 * 1024)) ]; then
+           split -b 15M -d -a 1 "$OUT/$(basename "$W").tgz" "$OUT/$(basename "$W").tgz.part" \
+             && rm "$OUT/$(basename "$W").tgz"; fi
          du -sh /tmp/s7/inductor /tmp/s7/triton /tmp/s7/vllm /tmp/s7/fiws 2>/dev/null | tr '\n' ' '; echo; }
 # FlashInfer's built modules (every cached_ops/*/*.so) split into $OUT/fiaot.tgz.part*
 # (<= 15 MiB each) for .fiaot/, which the restore above unpacks on a later machine
