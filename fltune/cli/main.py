@@ -248,7 +248,8 @@ def cmd_calibrate(a) -> int:
 
     dev = _device(a)
     settings = Settings(device=dev, parity_floor=a.parity_floor, margin=a.margin,
-                        cold_l2=a.cold_l2, reps=a.reps, budget_s=a.budget)
+                        cold_l2=a.cold_l2, cold_weights=a.cold_weights, reps=a.reps,
+                        budget_s=a.budget)
     con = _console(a.quiet or a.json)
     prog = progress_bar(con, "calibrate", a.quiet or a.json)
     progress = _BandProgress(prog, a.model)
@@ -786,7 +787,7 @@ def cmd_calibrate_ray(a) -> int:
     except rc.RayError as e:
         raise UsageError(str(e)) from None
     settings = Settings(parity_floor=a.parity_floor, margin=a.margin, cold_l2=a.cold_l2,
-                        reps=a.reps, budget_s=a.budget)
+                        cold_weights=a.cold_weights, reps=a.reps, budget_s=a.budget)
     con = _console(a.quiet or a.json)
     prog = _progress(con, "calibrate --ray", a.quiet or a.json)
     progress = _BandProgress(prog, a.model, on_start=lambda **kw: con.print(
@@ -928,6 +929,9 @@ def _add_calibrate(sub) -> None:
                    help="win margin: candidates this close to the fastest compete on "
                         "precision (default 0.03)")
     c.add_argument("--cold-l2", action="store_true", help="cold-L2 eager timing above 512 tokens")
+    c.add_argument("--cold-weights", action="store_true",
+                   help="CUDA decode bands: a GEMM's weight rotated through copies that "
+                        "overflow L2, cold as in a model step (tune/cold_weights.py)")
     c.add_argument("--reps", type=_int_in(0, MAX_REPS), default=0,
                    help="timing samples (0 = adaptive)")
     c.add_argument("--budget", type=_float_in(0.0, 3600.0, lo_open=True), default=0.05,

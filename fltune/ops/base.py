@@ -109,6 +109,11 @@ class OpSpec:
     #: x is [M, K]: every layer with the same K would share one table; ``linear`` adds N
     #: and whether there is a bias). None = the trailing shape alone (every other op)
     key_extra: Optional[Callable[[Sequence], tuple]] = None
+    #: indices of the arguments a model step reads cold, evicted from L2 by the rest of the
+    #: step between two calls of one layer (a layer's weight): ``fltune calibrate
+    #: --cold-weights`` times decode bands with these rotated through copies
+    #: (``tune/cold_weights.py``). () = every argument as the race makes it
+    step_cold_args: tuple[int, ...] = ()
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""

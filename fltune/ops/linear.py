@@ -101,6 +101,9 @@ LINEAR = OpSpec(
     # frozen tables keyed by (dtype, K, N, bias): x's [M, K] alone would let every layer of
     # one K (qkv, gate_up, ...) share a table
     key_extra=lambda args: (int(args[1].shape[0]), int(args[2] is not None)),
+    # the weight and bias: read once per model step, the other layers' weights stream
+    # through L2 before this layer runs again (tune/cold_weights.py)
+    step_cold_args=(1, 2),
     doc="unquantized GEMM: x @ W.T (+ b), fp32 accumulation")
 
 SPECS = [LINEAR]

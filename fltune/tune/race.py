@@ -29,7 +29,7 @@ import torch
 from ..dispatch.types import OpImpl, QualifyContext
 from ..ops import get_op, workload_dims
 from ..ops.base import clone_args
-from . import parity, timing
+from . import cold_weights, parity, timing
 from .bands import Band
 
 WIN_MARGIN = 0.03
@@ -41,6 +41,9 @@ class Settings:
     parity_floor: float = parity.PARITY_FLOOR
     margin: float = WIN_MARGIN
     cold_l2: bool = False          # eager cold-L2 timing for prefill bands (> 512 tokens)
+    #: CUDA graph-timed bands: an op's step-cold arguments (a GEMM's weight) rotated
+    #: through copies that overflow L2, as a model step reads them (tune/cold_weights.py)
+    cold_weights: bool = False
     reps: int = 0                  # 0 = adaptive
     budget_s: float = 0.05         # per candidate, when adaptive
     graph_calls: int = 20
@@ -62,6 +65,8 @@ class Settings:
         d = self.as_dict()
         if not d["time_failing"]:
             del d["time_failing"]
+        if not d["cold_weights"]:      # recorded only when on: older runs read the same
+            del d["cold_weights"]
         return d
 
 
@@ -106,6 +111,21 @@ def pick_winner(timed: list[Outcome], margin: float):
                   f"more precise (rel err {winner.parity.rel_error:.2e} vs "
                   f"{fastest.parity.rel_error:.2e})")
     return winner, runner_up, reason
+
+
+def _cold_weight_copies(spec, args, settings: Settings, graph_timed: bool) -> int:
+    """Copies of the step-cold arguments each candidate's timed call rotates through (1 =
+    none): only with ``--cold-weights``, on CUDA, for graph-timed (decode) bands of an op
+    that declares such arguments, and only as many as fit a quarter of free memory per
+    candidate. Eager bands time each call after its own launch: already cold enough, and
+    ``--cold-l2`` covers the prefill bands."""
+    if not (settings.cold_weights and spec.step_cold_args and graph_timed
+            and settings.device == "cuda"):
+        return 1
+    nbytes = cold_weights.cold_bytes(args, spec.step_cold_args)
+    n = cold_weights.copies_needed(nbytes, cold_weights.l2_bytes(settings.device))
+    fit = int(_free_memory(settings.device) * 0.25 // max(nbytes, 1))
+    return max(1, min(n, fit))
 
 
 def _free_memory(device: str) -> int:
@@ -195,16 +215,23 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
             outcomes.append(o)
             passing.append(o)
     del ref
+    cold = settings.cold_l2 and band.tokens > 512
+    eager = not cold and band.tokens > settings.graph_limit
+    copies = _cold_weight_copies(spec, args, settings, graph_timed=not (cold or eager))
     calls = {}
     for o in passing + failing:
         own = clone_args(args)
-        calls[o.impl.impl_id] = (lambda fn=o.impl.timed or o.impl.fn, a=own: fn(*a))
-    cold = settings.cold_l2 and band.tokens > 512
-    eager = not cold and band.tokens > settings.graph_limit
+        fn = o.impl.timed or o.impl.fn
+        calls[o.impl.impl_id] = (cold_weights.rotating_call(fn, own, spec.step_cold_args,
+                                                            copies) if copies > 1
+                                 else (lambda fn=fn, a=own: fn(*a)))
     times = timing.time_candidates(calls, settings.device, reps=settings.reps,
                                    budget_s=settings.budget_s,
-                                   graph_calls=settings.graph_calls, cold_l2=cold,
-                                   eager=eager,
+                                   # every copy once per replay: the graph holds >= copies
+                                   graph_calls=max(settings.graph_calls, copies),
+                                   cold_l2=cold, eager=eager,
+                                   timer_extra={"cold_weight_copies": copies}
+                                   if copies > 1 else None,
                                    progress=progress) if calls else {}
     timed = []
     for o in passing:

@@ -55,17 +55,23 @@ def _stats(samples_us, timer) -> Timing:
 
 def time_candidates(calls: dict, device: str, *, reps: int = 0, budget_s: float = 0.05,
                     graph_calls: int = 20, cold_l2: bool = False, eager: bool = False,
-                    progress=None) -> dict:
+                    timer_extra: dict | None = None, progress=None) -> dict:
     """Time each ``calls[name]()`` (a no-argument closure over its own cloned inputs).
 
     Returns {name: Timing}; a candidate that raises during timing maps to the exception.
     ``reps`` = 0 picks the repetition count from a probe so the whole race takes about
-    ``budget_s`` per candidate (at least 5, at most 200 samples).
+    ``budget_s`` per candidate (at least 5, at most 200 samples). ``timer_extra`` goes into
+    every timing's ``timer`` record (the race's cold-weight copies).
     """
     progress = progress or (lambda phase, name: None)
     if device == "cuda":
-        return _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress, eager)
-    return _time_cpu(calls, reps, budget_s, progress)
+        out = _time_cuda(calls, reps, budget_s, graph_calls, cold_l2, progress, eager)
+    else:
+        out = _time_cpu(calls, reps, budget_s, progress)
+    for t in out.values():          # what the caller set up around the calls, recorded
+        if isinstance(t, Timing) and timer_extra:
+            t.timer.update(timer_extra)
+    return out
 
 
 def _time_cpu(calls, reps, budget_s, progress):

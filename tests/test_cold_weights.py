@@ -1,0 +1,122 @@
+"""Cold weights at decode bands (tune/cold_weights.py): how many copies, that the timed call
+really rotates the weight and only the weight, and when the race turns it on."""
+import torch
+
+from fltune.cli.main import build_parser
+from fltune.ops import get_op
+from fltune.tune import cold_weights as cw
+from fltune.tune import race, timing
+from fltune.tune.bands import Band
+
+MiB = 2**20
+
+
+def test_copies_needed_spans_l2_by_the_factor():
+    # Qwen3-0.6B's down projection, bf16 [1024, 3072] = 6 MiB, on a 50 MiB L2: the other
+    # copies must hold 100 MiB -> 17 others, 18 in all
+    assert cw.copies_needed(6 * MiB, 50 * MiB) == 18
+    # the other n - 1 copies always span factor x L2
+    for nbytes in (2 * MiB, 3 * MiB, 7 * MiB, 33 * MiB):   # (1 MiB would need 101: capped)
+        n = cw.copies_needed(nbytes, 50 * MiB)
+        assert (n - 1) * nbytes >= 2 * 50 * MiB
+        assert (n - 2) * nbytes < 2 * 50 * MiB
+    # a weight larger than twice L2 is cold on its own (an LM head): no copies
+    assert cw.copies_needed(311 * MiB, 50 * MiB) == 1
+    # a tiny weight is capped, nothing to rotate is 1
+    assert cw.copies_needed(4096, 50 * MiB) == cw.MAX_COPIES
+    assert cw.copies_needed(0, 50 * MiB) == 1
+
+
+def _linear_args(tokens=4, n=64, k=32, bias=True):
+    spec = get_op("linear")
+    gen = torch.Generator().manual_seed(0)
+    return spec, spec.make_inputs(tokens, {"n": n, "k": k, "bias": bias}, torch.float32,
+                                  "cpu", gen)
+
+
+def test_cold_bytes_counts_the_weight_and_bias_only():
+    spec, args = _linear_args(bias=True)
+    assert spec.step_cold_args == (1, 2)
+    assert cw.cold_bytes(args, spec.step_cold_args) == (64 * 32 + 64) * 4
+    spec, args = _linear_args(bias=False)
+    assert cw.cold_bytes(args, spec.step_cold_args) == 64 * 32 * 4
+
+
+def test_rotating_call_cycles_the_weight_and_shares_the_activation():
+    spec, args = _linear_args(bias=True)
+    seen = []
+
+    def fn(x, w, b):
+        seen.append((x.data_ptr(), w.data_ptr(), b.data_ptr()))
+        return spec.reference(x, w, b)
+
+    call = cw.rotating_call(fn, args, spec.step_cold_args, 3)
+    outs = [call() for _ in range(7)]
+    xs, ws, bs = zip(*seen)
+    assert len(set(xs)) == 1 and xs[0] == args[0].data_ptr()     # one activation, hot
+    assert ws[0] == args[1].data_ptr()                            # copy 0 is the call's own
+    assert len(set(ws[:3])) == 3 and len(set(bs[:3])) == 3        # three distinct copies
+    assert ws[3:6] == ws[:3] and ws[6] == ws[0]                   # in turn, wrapping
+    want = spec.reference(*args)
+    for o in outs:                                                # same values every copy
+        torch.testing.assert_close(o, want)
+
+
+def test_rotating_call_keeps_a_missing_bias_missing():
+    spec, args = _linear_args(bias=False)
+    got = []
+    call = cw.rotating_call(lambda x, w, b: got.append(b), args, spec.step_cold_args, 2)
+    call(); call()
+    assert got == [None, None]
+
+
+def test_the_race_turns_it_on_only_where_it_means_something(monkeypatch):
+    spec, args = _linear_args(tokens=4, n=1024, k=3072, bias=False)   # 12 MiB in fp32
+    monkeypatch.setattr(race, "_free_memory", lambda device: 80 * 2**30)
+    monkeypatch.setattr(cw, "l2_bytes", lambda device: 50 * MiB)
+    on = race.Settings(device="cuda", cold_weights=True)
+    assert race._cold_weight_copies(spec, args, on, graph_timed=True) == \
+        cw.copies_needed(12 * MiB, 50 * MiB) == 10
+    # off by default, off for eager (prefill) bands, off on CPU, off for an op whose
+    # arguments a step reads hot (a norm: its input was just written)
+    assert race._cold_weight_copies(spec, args, race.Settings(device="cuda"), True) == 1
+    assert race._cold_weight_copies(spec, args, on, graph_timed=False) == 1
+    assert race._cold_weight_copies(spec, args, race.Settings(device="cpu",
+                                                              cold_weights=True), True) == 1
+    norm = get_op("rms_norm")
+    assert norm.step_cold_args == ()
+    assert race._cold_weight_copies(norm, args, on, graph_timed=True) == 1
+    # copies that do not fit a quarter of free memory are cut to what fits
+    monkeypatch.setattr(race, "_free_memory", lambda device: 4 * 12 * MiB * 3)
+    assert race._cold_weight_copies(spec, args, on, graph_timed=True) == 3
+
+
+def test_settings_record_it_only_when_on():
+    assert "cold_weights" not in race.Settings().recorded()
+    assert race.Settings(cold_weights=True).recorded()["cold_weights"] is True
+
+
+def test_a_cpu_race_with_it_on_times_as_before(builtin_registry):
+    # on CPU the switch changes nothing (no L2 model there): the race runs, picks a winner
+    # and its timers record no copies
+    impls = [i for i in builtin_registry.get_implementations("linear")
+             if i.impl_id in ("reference.torch", "torch.linear")]
+    assert impls
+    v = race.race("linear", {"n": 64, "k": 32, "bias": False}, torch.float32, Band(1, 4),
+                  impls, race.Settings(device="cpu", cold_weights=True, reps=5))
+    timed = [o for o in v.outcomes if o.timing is not None]
+    assert v.winner is not None and timed
+    assert all("cold_weight_copies" not in o.timing.timer for o in timed)
+
+
+def test_timer_extra_is_recorded():
+    out = timing.time_candidates({"a": lambda: None}, "cpu", reps=5,
+                                 timer_extra={"cold_weight_copies": 7})
+    assert out["a"].timer["cold_weight_copies"] == 7
+
+
+def test_calibrate_takes_the_switch():
+    a = build_parser().parse_args(["calibrate", "--model", "Qwen3-0.6B", "--cold-weights"])
+    assert a.cold_weights is True
+    a = build_parser().parse_args(["calibrate", "--model", "Qwen3-0.6B"])
+    assert a.cold_weights is False
