@@ -86,9 +86,10 @@ def test_the_race_turns_it_on_only_where_it_means_something(monkeypatch):
     norm = get_op("rms_norm")
     assert norm.step_cold_args == ()
     assert race._cold_weight_copies(norm, args, on, graph_timed=True) == 1
-    # copies that do not fit a quarter of free memory are cut to what fits
-    monkeypatch.setattr(race, "_free_memory", lambda device: 4 * 12 * MiB * 3)
-    assert race._cold_weight_copies(spec, args, on, graph_timed=True) == 3
+    # copies that do not fit half of free memory, all candidates together, are cut to fit
+    monkeypatch.setattr(race, "_free_memory", lambda device: 2 * 12 * MiB * 6)
+    assert race._cold_weight_copies(spec, args, on, graph_timed=True) == 6
+    assert race._cold_weight_copies(spec, args, on, graph_timed=True, candidates=2) == 3
 
 
 def test_settings_record_it_only_when_on():

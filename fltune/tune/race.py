@@ -113,18 +113,19 @@ def pick_winner(timed: list[Outcome], margin: float):
     return winner, runner_up, reason
 
 
-def _cold_weight_copies(spec, args, settings: Settings, graph_timed: bool) -> int:
+def _cold_weight_copies(spec, args, settings: Settings, graph_timed: bool,
+                        candidates: int = 1) -> int:
     """Copies of the step-cold arguments each candidate's timed call rotates through (1 =
     none): only with ``--cold-weights``, on CUDA, for graph-timed (decode) bands of an op
-    that declares such arguments, and only as many as fit a quarter of free memory per
-    candidate. Eager bands time each call after its own launch: already cold enough, and
+    that declares such arguments, and only as many as fit half of free memory for all
+    ``candidates`` together. Eager bands time each call after its own launch: already cold enough, and
     ``--cold-l2`` covers the prefill bands."""
     if not (settings.cold_weights and spec.step_cold_args and graph_timed
             and settings.device == "cuda"):
         return 1
     nbytes = cold_weights.cold_bytes(args, spec.step_cold_args)
     n = cold_weights.copies_needed(nbytes, cold_weights.l2_bytes(settings.device))
-    fit = int(_free_memory(settings.device) * 0.25 // max(nbytes, 1))
+    fit = int(_free_memory(settings.device) * 0.5 // (max(nbytes, 1) * max(candidates, 1)))
     return max(1, min(n, fit))
 
 
@@ -217,7 +218,8 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
     del ref
     cold = settings.cold_l2 and band.tokens > 512
     eager = not cold and band.tokens > settings.graph_limit
-    copies = _cold_weight_copies(spec, args, settings, graph_timed=not (cold or eager))
+    copies = _cold_weight_copies(spec, args, settings, graph_timed=not (cold or eager),
+                                 candidates=len(passing) + len(failing))
     calls = {}
     for o in passing + failing:
         own = clone_args(args)
