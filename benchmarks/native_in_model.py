@@ -35,6 +35,7 @@ Writes DIR/native-in-model-<profile>.json (everything, raw) and prints the table
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -660,9 +661,13 @@ def main():
                                             "run's model profile)")
     a = ap.parse_args()
     if a.analyse:
-        doc = json.load(open(a.analyse))
+        # committed results are gzipped (benchmarks/results/README.md): read and write back
+        # the file as given, gzipped or not
+        def opener(path, mode="rt"):
+            return (gzip.open if path.endswith(".gz") else open)(path, mode)
+        doc = json.load(opener(a.analyse))
         if a.in_model_from:
-            doc["in_model"] = json.load(open(a.in_model_from))["in_model"]
+            doc["in_model"] = json.load(opener(a.in_model_from))["in_model"]
             doc["in_model_from"] = a.in_model_from
         if a.code:
             doc["kernel_origins"] = code_origins(a.code)
@@ -670,7 +675,8 @@ def main():
         print_table(doc["table"])
         doc["in_context_ranking"] = in_context_ranking(doc)
         print_ranking(doc["in_context_ranking"])
-        json.dump(doc, open(a.analyse, "w"), indent=1)
+        with opener(a.analyse, "wt") as out:
+            json.dump(doc, out, indent=1)
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
     os.makedirs(a.out, exist_ok=True)
