@@ -42,6 +42,9 @@
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
+#   PHASE=coldlin PROFILE's `linear` decode bands re-raced with --cold-weights (session 20)
+#                into the shipped DB's copy, `fltune diff` before/after; ADJ=1 then adjudicates
+#                per range with the call's remaining time (EDGES, SCENARIOS)
 #   PHASE=native native.vllm against the model's own kernels (benchmarks/native_in_model.py);
 #                SKIPMODEL=1: the candidate alone (its warm, params-cold and in-context profiles, ~100 s),
 #                to join with an earlier run's in-model part (--analyse); IMPLS=native.vllm,
@@ -309,6 +312,26 @@ q06) {
   el "adjudicate linear per range ($left s left)"
   [ $left -gt 150 ] && adjudicate_linear_per_range $(( left - 40 )) $(( left - 10 )) ${REPS:-10}
   keep_decisions
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+coldlin) {
+  # session 20's --cold-weights (tune/cold_weights.py): PROFILE's `linear` decode bands
+  # (<= 512 tokens) re-raced with each weight rotated through copies that overflow L2, into
+  # the shipped DB's copy; `fltune diff` against the DB before says which picks moved (session
+  # 19: FlagGems' mm won Qwen3-0.6B's down projection at 33-128 tokens with the weight hot and
+  # lost in the model). Then, with what is left, the per-range adjudication (EDGES, SCENARIOS)
+  shipped_db; cp $DB "$W/before.db"
+  el "calibrate $P linear --cold-weights --force --max-tokens 512"
+  FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1} timeout ${CAL_S:-300} python3 -m fltune calibrate \
+    --model "$P" --ops linear --max-tokens 512 --cold-weights --force --candidate-timeout 200 \
+    --db $DB --quiet --json > "$W/calibrate-linear-cold.json"; echo "calibrate rc=$?"
+  python3 -m fltune diff "$W/before.db" $DB --all --wide 2>&1 | head -80
+  left=$(call_left)
+  if [ -n "${ADJ:-}" ] && [ $left -gt 200 ]; then
+    el "adjudicate linear per range ($left s left)"
+    adjudicate_linear_per_range $(( left - 40 )) $(( left - 10 )) ${REPS:-5}
+  fi
+  rm -f "$W/before.db"; keep_decisions
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 caa) {
