@@ -1,5 +1,7 @@
 """Cold weights at decode bands (tune/cold_weights.py): how many copies, that the timed call
 really rotates the weight and only the weight, and when the race turns it on."""
+import json
+
 import torch
 
 from fltune.cli.main import build_parser
@@ -121,3 +123,83 @@ def test_calibrate_takes_the_switch():
     assert a.cold_weights is True
     a = build_parser().parse_args(["calibrate", "--model", "Qwen3-0.6B"])
     assert a.cold_weights is False
+
+
+def test_the_race_hands_rotating_calls_and_whole_cycles_to_the_timer(monkeypatch,
+                                                                      builtin_registry):
+    # CPU never turns copies on by itself (no L2 model): force 3 copies and look at what the
+    # timer is handed — every candidate's call rotates 3 weight sets, the graph holds a
+    # whole number of cycles (>= the asked graph_calls), the timer records copies and span
+    monkeypatch.setattr(race, "_cold_weight_copies", lambda *a, **k: 3)
+    seen = {}
+    real = timing.time_candidates
+
+    def spy(calls, device, **kw):
+        seen.update(kw, calls=calls)
+        return real(calls, device, **kw)
+    monkeypatch.setattr(timing, "time_candidates", spy)
+    impls = [i for i in builtin_registry.get_implementations("linear")
+             if i.impl_id in ("reference.torch", "torch.linear")]
+    settings = race.Settings(device="cpu", cold_weights=True, reps=5, graph_calls=20)
+    v = race.race("linear", {"n": 64, "k": 32, "bias": True}, torch.float32, Band(1, 4),
+                  impls, settings)
+    assert seen["graph_calls"] == 21                       # 7 whole cycles of 3, >= 20
+    assert all(getattr(c, "copies", None) == 3 and len(c.sets) == 3
+               for c in seen["calls"].values())
+    assert seen["timer_extra"]["cold_weight_copies"] == 3
+    assert seen["timer_extra"]["cold_weight_l2_span"] == round(
+        cw.l2_span(3, (64 * 32 + 64) * 4, cw.DEFAULT_L2_BYTES), 2)
+    timed = [o for o in v.outcomes if o.timing is not None]
+    assert timed and all(o.timing.timer["cold_weight_copies"] == 3 for o in timed)
+    # two sets of one call hold different weights but the same activation
+    c = next(iter(seen["calls"].values()))
+    assert c.sets[0][0] is c.sets[1][0] and c.sets[0][1] is not c.sets[1][1]
+
+
+def test_verify_re_times_a_cold_band_cold(monkeypatch):
+    # a band calibrated with --cold-weights is re-timed with it (its stored timer says so);
+    # one calibrated without is re-timed hot
+    from fltune.dispatch.registry import OpRegistry
+    from fltune.evaluate import verify
+    from conftest import make_impl
+
+    spec = get_op("linear")
+    reg = OpRegistry()
+    reg.register(make_impl("linear", "w.impl", "reference", fn=spec.reference))
+    got = []
+
+    class Pool:
+        def race(self, op, dims, dtype, band, impls, settings):
+            got.append(settings)
+            return race.Verdict([], None, None, "none", 0)
+    w = {"op": "linear", "signature": "bias=0,k=32,n=64", "dims": '{"n": 64, "k": 32, '
+         '"bias": false}', "dtype": "bf16", "band_lo": 1, "band_hi": 4, "impl_id": "w.impl",
+         "median_us": 5.0, "runner_up": None, "runner_up_us": None, "noise": 0.01}
+    for copies, want in ((18, True), (None, False)):
+        timer = {"timer": "cuda-graph", "calls_per_graph": 36, "cold_l2": False}
+        if copies:
+            timer["cold_weight_copies"] = copies
+        meas = {("linear", w["signature"], "bf16", 4, "w.impl"): {"timer": json.dumps(timer)}}
+        try:
+            verify.verify_band(w, meas, reg, "cpu", pool=Pool(), margin=0.03,
+                               noise_floor=0.1, reps=0, budget_s=0.001, graph_calls=20)
+        except KeyError:
+            pass        # the fake pool timed nothing: only the settings it got matter
+        assert got[-1].cold_weights is want and got[-1].graph_calls == 36
+
+
+def test_no_op_rotates_an_argument_it_writes():
+    from fltune.ops import OPS
+    for name, spec in OPS.items():
+        assert not set(spec.step_cold_args) & set(spec.mutates), name
+
+
+def test_a_hinted_re_calibration_keeps_the_cold_switches():
+    from fltune.store.hints import calibrate_command
+    run = {"model": "Qwen3-0.6B", "settings": json.dumps({"cold_l2": True,
+                                                         "cold_weights": True})}
+    cmd = calibrate_command("x.db", run)
+    assert "--cold-l2" in cmd and "--cold-weights" in cmd
+    run = {"model": "Qwen3-0.6B", "settings": json.dumps({"cold_l2": False})}
+    cmd = calibrate_command("x.db", run)
+    assert "--cold" not in cmd

@@ -154,8 +154,12 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
     # made before bands above the capture sizes were timed eagerly) is replayed again
     mode = timer.get("timer")
     limit = {"eager-back-to-back": hi - 1, "cuda-graph": hi}.get(mode, Settings.graph_limit)
+    # and with the weight cold where it was (``calibrate --cold-weights``: the timer records
+    # its copies; re-timed hot, a cold-raced band would read as moved)
     settings = Settings(device=dev, reps=reps, budget_s=budget_s, graph_calls=graph_calls,
-                        cold_l2=bool(timer.get("cold_l2")), graph_limit=limit, seed=seed)
+                        cold_l2=bool(timer.get("cold_l2")),
+                        cold_weights=bool(timer.get("cold_weight_copies")),
+                        graph_limit=limit, seed=seed)
     got = {}
     if impls:
         pool = pool or racer(False)

@@ -42,7 +42,7 @@ def _settings(run: dict) -> dict:
 def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool = True,
                       force: bool = False) -> str:
     """``fltune calibrate`` for ``db_path`` that repeats ``run`` (its model, dtype, tp, op
-    subset and, for the same kind of device, its ``--max-tokens``), or names
+    subset, cold timing switches and, for the same kind of device, its ``--max-tokens``), or names
     :data:`DEFAULT_MODEL` when there is no run to repeat."""
     parts = ["fltune", "calibrate", "--model", _q(run["model"] if run else DEFAULT_MODEL),
              "--db", _q(db_path)]
@@ -56,6 +56,10 @@ def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool 
             parts += ["--ops", _q(",".join(st["ops"]))]
         if same_device and st.get("max_tokens"):
             parts += ["--max-tokens", str(int(st["max_tokens"]))]
+        # the timing regime the run chose: a hinted re-run that dropped it would replace
+        # cold-timed winners with hot-timed ones
+        parts += [flag for key, flag in (("cold_l2", "--cold-l2"),
+                                         ("cold_weights", "--cold-weights")) if st.get(key)]
     if force:
         parts.append("--force")
     return " ".join(parts)

@@ -18,8 +18,11 @@ What it does (the rotating-buffer method of nvbench and FlashInfer's ``bench_gpu
 with ``cold_l2_cache``). An op says which arguments a model step reads cold
 (``OpSpec.step_cold_args``: ``linear``'s weight and bias). For such an op, each candidate
 gets ``n`` copies of those arguments, enough that the bytes of the other ``n - 1`` exceed
-L2 by :data:`L2_FACTOR`, and its timed call cycles through them; the graph holds at least
-``n`` calls, so between two uses of one copy the others have evicted it. The activation
+L2 by :data:`L2_FACTOR`, and its timed call cycles through them; the graph holds a whole
+number of cycles (a multiple of ``n`` calls, replays follow each other), so between two
+uses of one copy the ``n - 1`` others have evicted it. The timer records the copies and the
+span they reached (``cold_weight_l2_span``: under the factor where the copy cap or free
+memory cut them). The activation
 stays one tensor, hot, as the producer GEMM leaves it in a model. Opt-in
 (``fltune calibrate --cold-weights``) until the H200 has shown that it changes the picks the
 model-step measurement disagreed with.
@@ -66,6 +69,13 @@ def copies_needed(nbytes: int, l2: int, factor: float = L2_FACTOR,
     if nbytes >= factor * l2:
         return 1
     return min(cap, 1 + math.ceil(factor * l2 / nbytes))
+
+
+def l2_span(n: int, nbytes: int, l2: int) -> float:
+    """How many L2s the other ``n - 1`` copies span (recorded with the timing: below
+    :data:`L2_FACTOR` where the copy cap or free memory cut the count, the weight was only
+    partly cold)."""
+    return (n - 1) * nbytes / l2 if l2 else 0.0
 
 
 def rotating_call(fn: Callable, args: list, cold_idx: Sequence[int], n: int) -> Callable:

@@ -21,6 +21,7 @@ win here" must be answerable from the DB alone.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -227,13 +228,18 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
         calls[o.impl.impl_id] = (cold_weights.rotating_call(fn, own, spec.step_cold_args,
                                                             copies) if copies > 1
                                  else (lambda fn=fn, a=own: fn(*a)))
+    # with copies, the graph holds every copy the same number of times (a multiple of
+    # them): a replay's last calls are followed by the next replay's first, and only whole
+    # cycles keep n - 1 other copies between two uses of one
+    graph_calls = (copies * math.ceil(settings.graph_calls / copies) if copies > 1
+                   else settings.graph_calls)
+    extra = ({"cold_weight_copies": copies,
+              "cold_weight_l2_span": round(cold_weights.l2_span(
+                  copies, cold_weights.cold_bytes(args, spec.step_cold_args),
+                  cold_weights.l2_bytes(settings.device)), 2)} if copies > 1 else None)
     times = timing.time_candidates(calls, settings.device, reps=settings.reps,
-                                   budget_s=settings.budget_s,
-                                   # every copy once per replay: the graph holds >= copies
-                                   graph_calls=max(settings.graph_calls, copies),
-                                   cold_l2=cold, eager=eager,
-                                   timer_extra={"cold_weight_copies": copies}
-                                   if copies > 1 else None,
+                                   budget_s=settings.budget_s, graph_calls=graph_calls,
+                                   cold_l2=cold, eager=eager, timer_extra=extra,
                                    progress=progress) if calls else {}
     timed = []
     for o in passing:
