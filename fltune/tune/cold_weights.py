@@ -22,8 +22,8 @@ L2 by :data:`L2_FACTOR`, and its timed call cycles through them; the graph holds
 number of cycles (a multiple of ``n`` calls, replays follow each other), so between two
 uses of one copy the ``n - 1`` others have evicted it. The timer records the copies and the
 span they reached (``cold_weight_l2_span``: under the factor where the copy cap or free
-memory cut them). The activation
-stays one tensor, hot, as the producer GEMM leaves it in a model. Opt-in
+memory cut them). The activation stays one tensor, hot, as the producer GEMM leaves it in a
+model. Opt-in
 (``fltune calibrate --cold-weights``) until the H200 has shown that it changes the picks the
 model-step measurement disagreed with.
 """
@@ -82,13 +82,13 @@ def rotating_call(fn: Callable, args: list, cold_idx: Sequence[int], n: int) -> 
     """A no-argument call of ``fn`` whose cold arguments cycle through ``n`` copies.
 
     ``args`` (the candidate's own clone) is copy 0; copies 1..n-1 clone only the cold
-    arguments, the rest of the call (the activation) is shared. Each call takes the next
-    copy, so a CUDA graph captured over K >= n calls replays every copy in turn."""
+    arguments (a ``None`` bias stays ``None``), the rest of the call (the activation) is
+    shared. Each call takes the next copy, so a CUDA graph captured over a multiple of ``n``
+    calls replays every copy in turn, the same number of times."""
     sets = [list(args)]
     for _ in range(n - 1):
         extra = clone_args([args[i] if i in cold_idx else None for i in range(len(args))])
-        sets.append([extra[i] if i in cold_idx and args[i] is not None else args[i]
-                     for i in range(len(args))])
+        sets.append([extra[i] if i in cold_idx else args[i] for i in range(len(args))])
     state = {"i": 0}
 
     def call():

@@ -119,8 +119,8 @@ def _cold_weight_copies(spec, args, settings: Settings, graph_timed: bool,
     """Copies of the step-cold arguments each candidate's timed call rotates through (1 =
     none): only with ``--cold-weights``, on CUDA, for graph-timed (decode) bands of an op
     that declares such arguments, and only as many as fit half of free memory for all
-    ``candidates`` together. Eager bands time each call after its own launch: already cold enough, and
-    ``--cold-l2`` covers the prefill bands."""
+    ``candidates`` together. Eager (prefill) bands are left as they are: ``--cold-l2``
+    flushes L2 before each call there."""
     if not (settings.cold_weights and spec.step_cold_args and graph_timed
             and settings.device == "cuda"):
         return 1
