@@ -203,3 +203,55 @@ def test_a_hinted_re_calibration_keeps_the_cold_switches():
     run = {"model": "Qwen3-0.6B", "settings": json.dumps({"cold_l2": False})}
     cmd = calibrate_command("x.db", run)
     assert "--cold" not in cmd
+
+
+def test_what_it_says_when_it_changed_nothing():
+    # the reason named is the first that holds, in the order the race decides
+    on = race.Settings(device="cuda", cold_weights=True)
+    lin = [("linear", Band(1, 1)), ("linear", Band(1025, 2048))]
+    assert race.cold_weights_unused(race.Settings(device="cuda"), [], [], 0) is None
+    assert race.cold_weights_unused(on, lin, [], rotated=1) is None
+    note = race.cold_weights_unused(race.Settings(device="cpu", cold_weights=True), lin, [], 0)
+    assert note.startswith("--cold-weights changed nothing") and "(CPU device)" in note
+    note = race.cold_weights_unused(on, [("rms_norm", Band(1, 1))], [], 0)
+    assert "no op calibrated reads an argument cold" in note and "rms_norm" in note
+    note = race.cold_weights_unused(on, [("linear", Band(1025, 2048))], [], 0)
+    assert "no band of linear is timed by CUDA graph replay" in note
+    # a resumed run: the decode bands were measured before, only a prefill band was raced
+    note = race.cold_weights_unused(on, lin[1:], lin[:1], 0)
+    assert "already in the DB" in note and "--force" in note
+    note = race.cold_weights_unused(on, lin, [], 0)
+    assert "2x L2 on their own" in note
+    # --cold-l2 times prefill bands eagerly: a band above 512 tokens is not graph-timed even
+    # under a higher graph limit
+    high = race.Settings(device="cuda", cold_weights=True, graph_limit=4096)
+    assert race.graph_timed(Band(1025, 2048), high)
+    assert not race.graph_timed(Band(1025, 2048), race.Settings(cold_l2=True,
+                                                                graph_limit=4096))
+    assert "2x L2" in race.cold_weights_unused(high, lin[1:], [], 0)
+
+
+def test_calibrate_on_cpu_says_it_changed_nothing(tmp_path):
+    # through the CLI: one line on stderr, stdout still one JSON document (which carries the
+    # line too); a run without the switch says nothing about it
+    import subprocess
+    import sys
+
+    from conftest import child_env
+
+    def calibrate(*extra):
+        p = subprocess.run([sys.executable, "-m", "fltune", "calibrate", "--model",
+                            "tiny-qwen3", "--ops", "silu_and_mul", "--max-tokens", "2",
+                            "--budget", "0.003", "--no-isolate", "--db",
+                            str(tmp_path / "cw.db"), "--json", *extra],
+                           capture_output=True, text=True, timeout=600, env=child_env())
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p, json.loads(p.stdout)
+
+    p, doc = calibrate("--cold-weights")
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("--cold-weights")]
+    assert lines == ["--cold-weights changed nothing: no band here is timed by CUDA graph "
+                     "replay (CPU device); the weights were timed as usual"], p.stderr
+    assert doc["notes"] == lines and doc["measured"] == 2
+    p, doc = calibrate("--force")
+    assert "--cold-weights" not in p.stderr and doc["notes"] == []

@@ -125,6 +125,17 @@ def test_sampled_bands_store_their_spread_between_two_actors_as_noise(split):
                                             min(s["us"], s["peer_us"]))
 
 
+def test_cold_weights_on_cpu_actors_says_it_changed_nothing(cluster, tmp_path):
+    # the actors' device decides (CPU here): the run's warnings carry the one line
+    # calibrate prints (race.cold_weights_unused), and it is handed to warn at once
+    seen = []
+    res = run_ray(tmp_path / "cw.db", ops=["silu_and_mul"], max_tokens=2,
+                  settings=Settings(budget_s=0.003, cold_weights=True), warn=seen.append)
+    assert res.measured == 2
+    notes = [w for w in res.warnings if w.startswith("--cold-weights")]
+    assert len(notes) == 1 and "(CPU device)" in notes[0] and notes[0] in seen
+
+
 def test_killed_actors_lose_nothing_written_and_the_rerun_completes(cluster, tmp_path):
     db = tmp_path / "killed.db"
     seen, names = [], []

@@ -7,6 +7,7 @@ warm rerun measures nothing. ``force=True`` re-measures (rows are replaced, not 
 """
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from ..store import device as devmod
 from . import noise as noisemod
 from .adjudicate import rows_for_db
 from .bands import bands, max_tokens_for
-from .race import Settings
+from .race import Settings, cold_weights_unused
 from .worker import racer
 from .workload import Workload, derive
 
@@ -36,6 +37,9 @@ class CalibrationResult:
     wall_s: float = 0.0
     worker_restarts: int = 0
     noise: dict = field(default_factory=dict)   # the machine-noise watch (tune/noise.py)
+    #: lines about the run's switches the user should read, printed as they are found
+    #: (``--cold-weights`` that changed nothing: ``race.cold_weights_unused``)
+    notes: list = field(default_factory=list)
 
     def as_dict(self):
         return {"db": self.db_path, "run_id": self.run_id,
@@ -45,7 +49,7 @@ class CalibrationResult:
                 "skipped": self.skipped, "wall_s": round(self.wall_s, 3),
                 "worker_restarts": self.worker_restarts,
                 "noise": self.noise, "undecided": self.noise.get("undecided", 0),
-                "winners": self.winners}
+                "notes": self.notes, "winners": self.winners}
 
 
 def measure_band(pool, manager: OpManager, op: str, dims: dict, signature: str, dtype,
@@ -101,9 +105,12 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                           {**settings.recorded(), "max_tokens": max_tokens,
                            **({"ops": sorted(ops)} if ops else {})}, stack, skey)
     result = CalibrationResult(db_path, run_id, dev, workload)
-    watch = noisemod.Watch(db, run_id, dev, settings.device,
-                           warn or (lambda line: print(line, file=sys.stderr, flush=True)),
-                           db_path, workload.model, max_tokens, ops, tp)
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    watch = noisemod.Watch(db, run_id, dev, settings.device, warn, db_path, workload.model,
+                           max_tokens, ops, tp)
+    # what --cold-weights met: the (op, band) pairs raced and skipped, and the raced bands
+    # whose timers rotated copies of the weights (``race.cold_weights_unused``)
+    raced, cached, rotated = [], [], 0
     probed_item = None
     # an item capped below the top band (the LM head: sampled rows only) skips the bands
     # above its cap; its table's last band then serves anything larger
@@ -123,6 +130,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
             if not force and db.has_band(dev["device_key"], dev["driver"], skey, item.op, sig,
                                          item.dtype, band.hi):
                 result.skipped += 1
+                cached.append((item.op, band))
                 if progress:
                     progress("skip", op=item.op, band=band, signature=sig, dtype=item.dtype,
                              last=band is last_of[id(item)])
@@ -138,6 +146,9 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
             watch.undecided += undecided
             db.record_band(rows, win)
             result.measured += 1
+            raced.append((item.op, band))
+            rotated += any("cold_weight_copies" in json.loads(r["timer"] or "{}")
+                           for r in rows)
             if win:
                 result.winners.append({k: win[k] for k in ("op", "signature", "dtype", "band_lo",
                                                            "band_hi", "impl_id", "median_us",
@@ -147,6 +158,10 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
                          dtype=item.dtype, last=band is last_of[id(item)])
         watch.probe("end")
         status = "done"
+        note = cold_weights_unused(settings, raced, cached, rotated)
+        if note:
+            result.notes.append(note)
+            warn(note)
     except KeyboardInterrupt:
         status = "interrupted"      # every finished band is saved; a rerun resumes
         raise

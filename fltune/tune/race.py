@@ -114,6 +114,54 @@ def pick_winner(timed: list[Outcome], margin: float):
     return winner, runner_up, reason
 
 
+def graph_timed(band: Band, settings: Settings) -> bool:
+    """Whether the race times ``band`` as calls replayed from one CUDA graph (on CUDA): a
+    band up to ``graph_limit`` tokens that ``--cold-l2`` does not time eagerly. The one
+    statement of the rule, so that what ``--cold-weights`` reports matches what it did."""
+    cold = settings.cold_l2 and band.tokens > 512
+    return not cold and band.tokens <= settings.graph_limit
+
+
+def cold_weights_unused(settings: Settings, raced: list, skipped: list,
+                        rotated: int) -> Optional[str]:
+    """The one line a calibration prints when ``--cold-weights`` was asked for and changed
+    nothing, saying why (None when it was not asked for, or some band's candidates did
+    rotate their weights). ``raced`` and ``skipped`` are the ``(op, band)`` pairs the run
+    raced and found already in the DB, ``rotated`` how many raced bands' timers recorded
+    copies (``cold_weight_copies``).
+
+    Why: the switch is a no-op on a CPU, for ops whose arguments a step reads hot, at
+    bands timed eagerly, for bands measured before (a resumed run skips them) and for
+    weights that overflow L2 on their own — and a DB written then reads exactly like a
+    hot-timed one, so a user who asked for cold weights would take its picks for the cold
+    ones without being told."""
+    if not settings.cold_weights or rotated:
+        return None
+    head = "--cold-weights changed nothing: "
+    tail = "; the weights were timed as usual"
+    if settings.device != "cuda":
+        return (head + f"no band here is timed by CUDA graph replay ({settings.device.upper()} "
+                       f"device)" + tail)
+    pairs = list(raced) + list(skipped)
+    cold_ops = sorted({op for op, _ in pairs if get_op(op).step_cold_args})
+    if not cold_ops:
+        ops = ", ".join(sorted({op for op, _ in pairs})) or "none"
+        return (head + f"no op calibrated reads an argument cold in a model step (ops: {ops}; "
+                       f"OpSpec.step_cold_args, e.g. linear's weight)")
+    names = ", ".join(cold_ops)
+    in_graph = [(op, b) for op, b in pairs if op in cold_ops and graph_timed(b, settings)]
+    if not in_graph:
+        return (head + f"no band of {names} is timed by CUDA graph replay (above "
+                       f"{settings.graph_limit} tokens, or timed eagerly by --cold-l2)" + tail)
+    if not any(op in cold_ops and graph_timed(b, settings) for op, b in raced):
+        return (head + f"every CUDA-graph-timed band of {names} was already in the DB for "
+                       f"this device, driver and stack, so none was raced (add --force to "
+                       f"re-race them with the weights cold)")
+    return (head + f"the cold arguments of {names} span {cold_weights.L2_FACTOR:g}x L2 on "
+                   f"their own at every band raced, or free memory left no room for a second "
+                   f"copy" + tail)
+
+
 def _cold_weight_copies(spec, args, settings: Settings, graph_timed: bool,
                         candidates: int = 1) -> int:
     """Copies of the step-cold arguments each candidate's timed call rotates through (1 =
@@ -219,7 +267,7 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
     del ref
     cold = settings.cold_l2 and band.tokens > 512
     eager = not cold and band.tokens > settings.graph_limit
-    copies = _cold_weight_copies(spec, args, settings, graph_timed=not (cold or eager),
+    copies = _cold_weight_copies(spec, args, settings, graph_timed=graph_timed(band, settings),
                                  candidates=len(passing) + len(failing))
     calls = {}
     for o in passing + failing:

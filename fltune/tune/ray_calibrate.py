@@ -361,8 +361,8 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
 
     from ..store import CalibrationDB
     from . import noise as noisemod
-    from .bands import bands, max_tokens_for
-    from .race import Settings
+    from .bands import Band, bands, max_tokens_for
+    from .race import Settings, cold_weights_unused
     from .workload import derive
 
     t0 = time.perf_counter()
@@ -399,6 +399,9 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                     **({"ops": sorted(ops)} if ops else {})}
         total = 0
         skips: list = []
+        # what --cold-weights met, as calibrate keeps it (``race.cold_weights_unused``)
+        raced: list = []
+        rotated = 0
         for g in groups:
             db.upsert_device(g.device)
             g.run_id = db.start_run(g.device, workload.model, workload.dtype, tp,
@@ -483,6 +486,7 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
 
         def write(g: Group, res: dict, job: dict, peer: Optional[dict] = None):
             """One band (and its peer spread, when measured) in one transaction."""
+            nonlocal rotated
             win = res["win"]
             spread_row = None
             if peer is not None and win is not None:
@@ -514,9 +518,11 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                     db.record_probe(spread_row)
             g.measured += 1
             g.undecided += bool(res["undecided"])
+            raced.append((job["op"], Band(job["lo"], job["hi"])))
+            rotated += any("cold_weight_copies" in json.loads(r["timer"] or "{}")
+                           for r in res["rows"])
             g.left[job["table"]] -= 1
             if progress:
-                from .bands import Band
                 progress("band", op=job["op"], band=Band(job["lo"], job["hi"]), winner=win,
                          signature=job["signature"], dtype=job["dtype"],
                          last=g.left[job["table"]] == 0, actor=res.get("actor"))
@@ -594,6 +600,11 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
         for g in groups:
             g.status = "done" if not sum(g.left.values()) else "incomplete"
         status = "done"
+        note = cold_weights_unused(settings, raced,
+                                   [(kw["op"], kw["band"]) for kw in skips], rotated)
+        if note:
+            result_warnings.append(note)
+            warn(note)
     except KeyboardInterrupt:
         status = "interrupted"
         raise
