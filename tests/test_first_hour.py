@@ -173,16 +173,22 @@ def test_hint_no_winners(tiny, tmp_path):
 
 
 def _old_stack(tiny, tmp_path, name, *extra):
-    copy = _db(tiny, tmp_path, name, "update winners set stack_key='old-stack'",
-               "update measurements set stack_key='old-stack'", *extra)
+    copy = _db(tiny, tmp_path, name, *extra)
+    _age_stack(copy)
+    return copy
+
+
+def _age_stack(copy):
+    """Every row of the DB at ``copy`` measured on another stack (torch 0.0.1-old)."""
     c = sqlite3.connect(copy)
+    c.execute("update winners set stack_key='old-stack'")
+    c.execute("update measurements set stack_key='old-stack'")
     for rid, st in c.execute("select id, stack from runs").fetchall():
         s = json.loads(st)
         s["torch"] = "0.0.1-old"
         c.execute("update runs set stack=?, stack_key='old-stack' where id=?", (json.dumps(s), rid))
     c.commit()
     c.close()
-    return copy
 
 
 def test_hint_stack_changed(tiny, tmp_path):
@@ -196,6 +202,57 @@ def test_hint_stack_changed(tiny, tmp_path):
     run_hint(cmds[0], tmp_path)                           # re-measures with this stack
     p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
     assert "software stack changed" not in p.stderr
+
+
+def test_hint_stack_changed_re_measures_every_run_and_model(tiny, tmp_path):
+    # the tiny DB's silu_and_mul run, then a run of another op and one of another model: the
+    # hint used to repeat the newest run only (Qwen3-0.6B), so following it left tiny-qwen3's
+    # winners on the old stack and freeze kept warning
+    multi = _db(tiny, tmp_path, "multi.db")
+    fast = ("--budget", "0.003", "--no-isolate", "--quiet", "--db", str(multi))
+    fltune("calibrate", "--model", "tiny-qwen3", "--max-tokens", "16", "--ops",
+           "rotary_embedding", *fast)
+    fltune("calibrate", "--model", "Qwen3-0.6B", "--max-tokens", "2", "--ops",
+           "silu_and_mul", *fast)
+    _age_stack(multi)
+    p = fltune("freeze", "--db", str(multi), "--out", str(tmp_path / "m.json"))
+    assert "software stack changed" in p.stderr
+    cmds = hints(p.stderr)
+    assert [c.split()[1] for c in cmds] == ["calibrate", "calibrate", "verify"], cmds
+    tiny_cmd, qwen_cmd = cmds[:2]
+    # one command per model, with the union of its runs' ops and the widest band range
+    assert "--model tiny-qwen3" in tiny_cmd and "--max-tokens 16" in tiny_cmd
+    assert "--ops rotary_embedding,silu_and_mul" in tiny_cmd, tiny_cmd
+    assert "--model Qwen3-0.6B" in qwen_cmd and "--max-tokens 2" in qwen_cmd
+    assert "--ops silu_and_mul" in qwen_cmd, qwen_cmd
+    for c in cmds[:2]:                           # followed, they leave nothing on the old stack
+        run_hint(c, tmp_path, ("--budget", "0.003", "--no-isolate"))
+    p = fltune("freeze", "--db", str(multi), "--out", str(tmp_path / "m.json"))
+    assert "software stack changed" not in p.stderr
+
+
+def test_hint_stack_changed_whole_workload_run_needs_no_ops(tiny, tmp_path):
+    # a run that calibrated the whole workload records no ops: the model's command then has
+    # no --ops, whatever op subsets its other runs had
+    old = _old_stack(tiny, tmp_path, "whole.db")
+    c = sqlite3.connect(old)
+    (settings,) = c.execute("select settings from runs").fetchone()
+    st = json.loads(settings)
+    del st["ops"]
+    c.execute("update runs set settings=?", (json.dumps(st),))
+    # a later run of one op that still holds a winner (the 1-token band)
+    c.execute("insert into runs (device_key, driver, model, dtype, tp, settings, stack, "
+              "stack_key, status, started) select device_key, driver, model, dtype, tp, ?, "
+              "stack, stack_key, 'done', started + 1 from runs",
+              (json.dumps({**st, "ops": ["silu_and_mul"], "max_tokens": 4}),))
+    c.execute("update winners set run_id=(select max(id) from runs) where band_hi=1")
+    c.commit()
+    c.close()
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    cmds = hints(p.stderr)
+    assert [c.split()[1] for c in cmds] == ["calibrate", "verify"], cmds
+    assert "--model tiny-qwen3" in cmds[0] and "--ops" not in cmds[0], cmds[0]
+    assert "--max-tokens 16" in cmds[0], cmds[0]
 
 
 def test_hint_refine_skipped_for_old_stack(tiny, tmp_path):

@@ -36,7 +36,7 @@ from ..ops import get_op
 from ..store import CalibrationDB, DBError, band_key
 from ..store import device as devmod
 from ..store.device import resolve_device
-from ..store.hints import calibrate_hint
+from ..store.hints import calibrate_hint, workload_commands
 from ..tune.bands import BAND_RULE
 from ..tune.crossover import crossover_valid
 
@@ -104,7 +104,7 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                           f"`{calibrate_hint(db, dev['device_key'], dev['driver'], force=True)}`")
         stacks = db.stacks_of_winners(dev["device_key"], dev["driver"])
         warnings = (_stack_warnings(stacks, db_path, strict,
-                                    calibrate_hint(db, dev["device_key"], dev["driver"]))
+                                    workload_commands(db, dev["device_key"], dev["driver"]))
                     if check_stack else [])
         # one read of the device's measurements serves the FL picks, the native compiled
         # times and the launch floor below
@@ -157,9 +157,13 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
 
 
 def _stack_warnings(stacks: dict, db_path: str, strict: bool,
-                    recalibrate: str) -> list[str]:
+                    recalibrate: list[str]) -> list[str]:
     """One warning per recorded stack that differs from the running one (``strict``:
-    raise instead), naming the command that re-measures."""
+    raise instead), naming the commands that re-measure: every model the DB holds, each
+    with the ops its runs measured (``hints.workload_commands``), not only the newest
+    run's — an older run's winners are as old. Bands already measured on this stack are
+    skipped by those commands (``calibrate`` resumes per stack), so covering the whole
+    DB costs only what is stale."""
     warnings = []
     now = devmod.stack()
     for st in stacks.values():
@@ -167,7 +171,8 @@ def _stack_warnings(stacks: dict, db_path: str, strict: bool,
         if diff:
             msg = (f"software stack changed since calibration ({'; '.join(diff)}): the "
                    f"measured winners may no longer be the fastest; re-measure with "
-                   f"`{recalibrate}` (or check them with `fltune verify --db "
+                   + " and ".join(f"`{c}`" for c in recalibrate)
+                   + f" (or check them with `fltune verify --db "
                    f"{shlex.quote(str(db_path))}`)")
             if strict:
                 raise StackMismatch(msg)

@@ -79,6 +79,49 @@ def calibrate_hint(db, device_key: Optional[str] = None, driver: Optional[str] =
     return calibrate_command(db.path, run, same_device=same, force=force)
 
 
+def workload_commands(db, device_key: str, driver: str) -> list[str]:
+    """The ``fltune calibrate`` commands that re-measure everything ``db`` holds winners for
+    on ``device_key`` / ``driver``: one per (model, dtype, tp) — the CLI calibrates one
+    model at a time, and dtype or tp change the workload itself.
+
+    Why not :func:`calibrate_hint`: it repeats the newest run, and the newest run is often
+    a partial one (``--ops rotary_embedding`` after a rope change), so on a stack change it
+    re-measured one op and left every other winner of the DB measured on the old stack.
+    Here each command covers the union of its runs' ops: no ``--ops`` at all when one of
+    them calibrated the model's whole workload (a run records ``ops`` only when
+    ``--ops`` restricted it), the highest ``--max-tokens`` any of them reached, and the
+    timing switches of the newest (the regime the user chose last; a hinted re-run that
+    dropped them would replace cold-timed winners with hot-timed ones). The runs read are
+    those that still hold a winner here: a run whose every band a later one re-measured
+    has nothing left to re-measure. With no such run (no run ids in the winners), the
+    newest run's command, as :func:`calibrate_hint` gives it."""
+    try:
+        held = {w.get("run_id") for w in db.winners(device_key, driver)}
+        runs = [r for r in db.runs(device_key)
+                if r.get("driver") == driver and r.get("id") in held]
+    except Exception:       # a DB too broken to read: the newest run's hint, as before
+        runs = []
+    if not runs:
+        return [calibrate_hint(db, device_key, driver)]
+    groups: dict = {}
+    for r in runs:          # db.runs is ordered by id: the last of a group is its newest
+        groups.setdefault((r["model"], r.get("dtype"), r.get("tp")), []).append(r)
+    cmds = []
+    for group in groups.values():
+        sts = [_settings(r) for r in group]
+        ops = (None if any(not s.get("ops") for s in sts)
+               else sorted({o for s in sts for o in s["ops"]}))
+        tokens = [int(s["max_tokens"]) for s in sts if s.get("max_tokens")]
+        st = {**sts[-1], "max_tokens": max(tokens) if tokens else None}
+        st.pop("ops", None)
+        if ops:
+            st["ops"] = ops
+        cmd = calibrate_command(db.path, {**group[-1], "settings": json.dumps(st)})
+        if cmd not in cmds:
+            cmds.append(cmd)
+    return cmds
+
+
 def freeze_command(db_path, out: str = "manifest.json", device: Optional[str] = None) -> str:
     parts = ["fltune", "freeze", "--db", _q(db_path), "--out", _q(out)]
     if device:
