@@ -55,6 +55,24 @@ def stem(kernel_name: str) -> str:
     return re.sub(r"_\d+$", "", kernel_name.split("(")[0].strip())
 
 
+#: kernels a library launches as a second part of one call (cuBLAS's split-K GEMM writes
+#: partial sums, then ``splitKreduce_kernel`` adds them): their time is the op's, but they
+#: are not calls of it. Session 21: counting them halved Qwen3-0.6B's and Qwen3.5's down
+#: projection per call in the model (split-K + reduce, 2 launches per GEMM at decode), so
+#: the table read the candidate 1.6-2.3x the model where it was 0.9-1.2x.
+AUXILIARY_KERNEL = re.compile(r"splitKreduce")
+
+
+def model_calls(kernels: dict) -> float:
+    """The op's calls per step in the model from its kernels ({name: [launches, µs]}): the
+    launches of every kernel but the auxiliary ones (:data:`AUXILIARY_KERNEL`); kernels of
+    different names are different calls (Inductor's variants of one op: a fused-add norm's
+    plain and ``copy_`` kernels), so they add up. A profile of auxiliary kernels alone counts
+    them (better a per-launch figure than none)."""
+    own = [v[0] for k, v in kernels.items() if not AUXILIARY_KERNEL.search(k)]
+    return sum(own) if own else sum(v[0] for v in kernels.values())
+
+
 def kernels_of(prof, launches: bool = False) -> dict:
     """{kernel name: [count, total µs]} of the CUDA kernels in a profile (a stopped
     torch.profiler run, or its Chrome trace already read: ``e2e_worker.chrome_trace``); with
@@ -510,7 +528,7 @@ def attribute(doc: dict) -> list:
             and isinstance(r["kernels"].get("native.vllm"), dict)
             and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
-        model_calls = sum(v[0] for v in model_k.values())
+        n_calls = model_calls(model_k)
         model_us = sum(v[1] for v in model_k.values())
         kern = sum(v[1] for v in own.values())
         kern_cold = kernel_us((row.get("kernels_params_cold") or {}).get("native.vllm"))
@@ -527,7 +545,7 @@ def attribute(doc: dict) -> list:
                  "native_kernel_in_step_us": kern_step,
                  "in_step_captured": step.get("captured"),
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
-                 "model_kernels": sorted(model_k), "model_calls_per_step": model_calls,
+                 "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
                  "stem_shared_by": len(sharers)}
         if copy_us is not None:
             entry["in_model_copy_us"] = round(copy_us, 3)
@@ -539,8 +557,8 @@ def attribute(doc: dict) -> list:
                                 if k in model_k or k.split(" grid=")[0] in model_k)
         if own_launches and model_launches:
             entry["launches"] = {"model": model_launches, "native.vllm": sorted(own_launches)}
-        if model_calls and share_calls:
-            per_call = model_us / share_calls if len(sharers) > 1 else model_us / model_calls
+        if n_calls and share_calls:
+            per_call = model_us / share_calls if len(sharers) > 1 else model_us / n_calls
             entry["in_model_us"] = round(per_call, 3)
             race = entry["native_race_us"]
             if isinstance(race, (int, float)):

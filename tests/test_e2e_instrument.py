@@ -783,3 +783,56 @@ def test_probe_check_drops_the_repetitions_a_slow_probe_marks(tmp_path, capsys):
     assert aa["gated"]["n"] == 8 and aa["gated"]["ci"] == [1.0, 1.0]
     assert pc.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert pc.spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+
+
+def _summary(points, *, model="Qwen3-0.6B", env=None, command="run", date="2026-12-03"):
+    return {"device": "NVIDIA H200", "model": model, "vllm": "0.24.0", "date": date,
+            "command": command,
+            "engine": {"baseline": "vanilla", "reps": 10, "notes": [],
+                       "scenarios": [{"name": s} for s in dict.fromkeys(p[0] for p in points)]},
+            "arms": {"vanilla": {"env": {}}, "aa": {"env": {}},
+                     "calibrated": {"env": env or {"FLTUNE_DB": "/tmp/a.db"}}},
+            "points": [{"scenario": s, "arm": a, "n": 10, "ratio_median": r}
+                       for s, a, r in points]}
+
+
+def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
+    """Two GPU calls' summaries (two scenarios each) become one evidence file; the joined
+    file is written by the script a session runs, and reads back with every point."""
+    a = _summary([("decode_b1", "aa", 1.0), ("decode_b1", "calibrated", 1.2)],
+                 command="bench b1", date="2026-12-03T06:47")
+    b = _summary([("decode_b16", "aa", 1.0), ("decode_b16", "calibrated", 0.99)],
+                 command="bench b16", date="2026-12-03T06:52")
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    (tmp_path / "r1").mkdir()
+    pa, pb = tmp_path / "r1" / "e2e-summary.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    (tmp_path / "r1" / "e2e-raw.json.gz").write_bytes(b"")
+    out = tmp_path / "joined.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "join_e2e.py"
+    r = subprocess.run([sys.executable, str(script), str(pa), str(pb), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert [(p["scenario"], p["arm"]) for p in doc["points"]] == [
+        ("decode_b1", "aa"), ("decode_b1", "calibrated"),
+        ("decode_b16", "aa"), ("decode_b16", "calibrated")]
+    assert doc["command"] == "bench b1 ; bench b16"
+    assert doc["date"] == "2026-12-03T06:52"
+    assert [x["command"] for x in doc["runs"]] == ["bench b1", "bench b16"]
+    assert doc["runs"][0]["raw"] == os.path.join("r1", "e2e-raw.json.gz")   # beside run 1
+    assert "raw" not in doc["runs"][1]                                      # none beside b.json
+    assert [s["name"] for s in doc["engine"]["scenarios"]] == ["decode_b1", "decode_b16"]
+
+
+@pytest.mark.parametrize("second, words", [
+    (_summary([("decode_b1", "aa", 1.01)]), "decode_b1 / aa is in summaries 1 and 2"),
+    (_summary([("decode_b16", "aa", 1.0)], model="Qwen3.5-0.8B"), "differ in model"),
+    (_summary([("decode_b16", "calibrated", 1.0)], env={"FLTUNE_DB": "/tmp/b.db"}),
+     "arm 'calibrated' ran with another environment"),
+])
+def test_join_summaries_refuses_what_would_mix_answers(second, words):
+    first = _summary([("decode_b1", "aa", 1.0), ("decode_b1", "calibrated", 1.2)])
+    with pytest.raises(ValueError, match=words):
+        e2e.join_summaries([first, second])

@@ -181,3 +181,22 @@ def test_the_in_context_ranking_says_when_the_context_reorders_the_candidates():
     assert r["reordered"] is False
     del row["kernels_in_context"]["b"]
     assert nim.in_context_ranking({"alone": {"rows": [row]}}) == []
+
+
+def test_a_split_k_gemm_is_one_call_of_two_kernels_not_two_calls():
+    """cuBLAS's split-K GEMM launches the partial GEMM and ``splitKreduce_kernel`` per call:
+    the model's time per call is both kernels' time over the GEMM's launches (28 layers),
+    not over all 56 launches (session 21: that halved the down projection in the model)."""
+    gemm = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT"
+    red = "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(x)"
+    row = {"op": "linear", "signature": "bias=0,k=3072,n=1024", "scenario": "decode_b1",
+           "tokens": 1, "calls_per_step": 28, "timed": {"native.vllm": 6.6},
+           "kernels": {"native.vllm": {gemm: [1.0, 5.0], red: [1.0, 1.6]}}}
+    sc = {"tokens": 1, "kernels": {gemm: [28.0, 136.8], red: [28.0, 45.6]}}
+    (e,) = nim.attribute({"alone": {"rows": [row]}, "in_model": {"scenarios": {"decode_b1": sc}}})
+    assert e["model_calls_per_step"] == 28
+    assert e["in_model_us"] == round((136.8 + 45.6) / 28, 3)
+    assert e["kernel_vs_model"] == round(6.6 / ((136.8 + 45.6) / 28), 3)
+    # an op's variants (different kernels, each its own calls) still add up
+    assert nim.model_calls({"a_1": [18.0, 1.0], "a_copy_3": [18.0, 2.0]}) == 36
+    assert nim.model_calls({red: [4.0, 1.0]}) == 4      # auxiliary alone: counted

@@ -417,6 +417,64 @@ class E2EResult:
                 **({"host_profiles": self.host_profiles} if self.host_profiles else {})}
 
 
+def join_summaries(docs: list) -> dict:
+    """One evidence file from several ``e2e-summary.json`` of the same model, device and
+    vLLM, each measuring other scenarios: issue 11's ``e2e-summary-<model>.json`` is one
+    document, but on the GPU machine a 10-minute call fits two scenarios with ten
+    repetitions each (engine starts of 20-120 s per arm), so the points come from two or
+    more runs.
+
+    Why refuse rather than pick: a point measured twice (same scenario and arm) has two
+    answers and the reader must choose which one stands; an arm name whose environment
+    differs between runs (another DB behind ``calibrated``) would put two arms under one
+    name; another model, device or vLLM makes the ratios incomparable. Each run's own
+    command, date, engine and arms stay in ``runs``, so nothing a single summary said is
+    lost; the top level keeps the issue's keys (``command`` joins the runs' commands)."""
+    if not docs:
+        raise ValueError("join_summaries: no summaries given")
+    for key in ("device", "model", "vllm"):
+        vals = sorted({str(d.get(key)) for d in docs})
+        if len(vals) > 1:
+            raise ValueError(f"the summaries differ in {key} ({', '.join(vals)}): join only "
+                             f"runs of one model on one device and vLLM")
+    seen: dict = {}
+    envs: dict = {}
+    for i, d in enumerate(docs):
+        for name, arm in (d.get("arms") or {}).items():
+            env = (arm or {}).get("env")
+            if name in envs and envs[name] != env:
+                raise ValueError(f"arm {name!r} ran with another environment in summary "
+                                 f"{i + 1} ({env}) than before ({envs[name]}): rename one")
+            envs.setdefault(name, env)
+        for p in d.get("points") or []:
+            k = (p["scenario"], p["arm"])
+            if k in seen:
+                raise ValueError(f"{k[0]} / {k[1]} is in summaries {seen[k] + 1} and {i + 1}: "
+                                 f"leave one out (a point has one measurement)")
+            seen[k] = i
+    baselines = {(d.get("engine") or {}).get("baseline", "vanilla") for d in docs}
+    if len(baselines) > 1:
+        raise ValueError(f"the summaries' baselines differ ({', '.join(sorted(baselines))})")
+    first = docs[0]
+    engine = dict(first.get("engine") or {})
+    engine["scenarios"] = [s for d in docs for s in (d.get("engine") or {}).get("scenarios") or []]
+    engine["reps"] = max(int((d.get("engine") or {}).get("reps") or 0) for d in docs)
+    engine["notes"] = list(dict.fromkeys(n for d in docs
+                                         for n in (d.get("engine") or {}).get("notes") or []))
+    engine.pop("retaken", None)         # per run: in runs[i].engine
+    arms: dict = {}
+    for d in docs:
+        for name, arm in (d.get("arms") or {}).items():
+            arms.setdefault(name, arm)
+    return {"device": first["device"], "model": first["model"], "vllm": first["vllm"],
+            "date": max(str(d.get("date")) for d in docs),
+            "command": " ; ".join(str(d.get("command")) for d in docs),
+            "engine": engine, "arms": arms,
+            "points": [p for d in docs for p in d.get("points") or []],
+            "runs": [{k: d.get(k) for k in ("command", "date", "engine", "arms", "host_extra")
+                      if d.get(k) is not None} for d in docs]}
+
+
 def _routed_calls(counters) -> dict | None:
     if not counters:
         return None
