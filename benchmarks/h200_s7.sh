@@ -325,7 +325,10 @@ coldlin) {
   FLTUNE_AUTOTUNE_MAX_TOKENS=${AUTOTUNE:-1} timeout ${CAL_S:-300} python3 -m fltune calibrate \
     --model "$P" --ops linear --max-tokens 512 --cold-weights --force --candidate-timeout 200 \
     --db $DB --quiet --json > "$W/calibrate-linear-cold.json"; echo "calibrate rc=$?"
-  python3 -m fltune diff "$W/before.db" $DB --all --wide 2>&1 | head -80
+  # the moved bands only (session 21: `--all | head -80` showed other ops' rows and cut
+  # every linear one); every band as JSON beside it
+  python3 -m fltune diff "$W/before.db" $DB --wide 2>&1
+  python3 -m fltune diff "$W/before.db" $DB --all --json > "$W/diff.json"
   left=$(call_left)
   if [ -n "${ADJ:-}" ] && [ $left -gt 200 ]; then
     el "adjudicate linear per range ($left s left)"
