@@ -231,7 +231,7 @@ CONTEXT_WEIGHT_BYTES = 64 << 20
 
 
 def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_BYTES,
-              seed: int = 0, first_only: bool = False):
+              seed: int = 0, first_only: bool = False, only=None):
     """One GEMM per token-sized floating input of ``op`` that writes it, as the layer
     before it does in a model step (the down or out projection writes a norm's input, the
     gate_up projection silu_and_mul's): ``producer(i)`` runs round ``i`` (every input
@@ -242,13 +242,18 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     are not contiguous get the product copied in. ``producer.weights`` is empty when the op
     has no such input (nothing to produce). ``first_only``: only the op's first such input
     (the one the kernel before it writes: a norm's ``x``, not the residual that arrives from
-    the layer before; :func:`in_context` with ``step``)."""
+    the layer before; :func:`in_context` with ``step``). ``only``: the positions, among the
+    op's token-sized inputs, of those to write (``[1]``: a gated norm's z alone)."""
     import math
     import torch
 
     per_arg, gens = [], {}
     inputs = token_inputs(args, op)
-    for _, a in (inputs[:1] if first_only else inputs):
+    if only is not None:
+        inputs = [inputs[j] for j in only if j < len(inputs)]
+    elif first_only:
+        inputs = inputs[:1]
+    for _, a in inputs:
         if a.dim() != 2:
             continue
         gen = gens.get(a.device)
@@ -280,7 +285,20 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
 STEP_FLUSH_BYTES = 128 << 20
 
 
-def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False) -> dict:
+def gdn_state_bytes(items) -> int:
+    """Bytes of one sequence's gated-delta-net recurrent state (fp32, per value head
+    head_k x head_v) from a workload's GDN items, 0 when the model has none: what the GDN
+    kernel reads and writes once per decode step between the in_proj that writes a gated
+    norm's z and the norm (:func:`in_context` ``layer``)."""
+    for it in items:
+        d = it.dims_dict if hasattr(it, "dims_dict") else it
+        if {"num_v_heads", "head_k_dim", "head_v_dim"} <= set(d):
+            return int(d["num_v_heads"]) * int(d["head_k_dim"]) * int(d["head_v_dim"]) * 4
+    return 0
+
+
+def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
+               layer: dict | None = None) -> dict:
     """The candidate's kernels right after the GEMM that writes their input, as in a model
     step, in one CUDA graph (:func:`producers`): round i = producer GEMM(s) with the i-th
     weight, then the call; at least ``n`` rounds and at least one per producer weight (a
@@ -308,22 +326,45 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False)
     residual comes from HBM there, while the in-context rounds (both inputs just written)
     keep it in L2. If it closes the gap, the race's stand-in differs from the model by cache
     state alone (every candidate pays it alike in the model); if not, the two kernels'
-    launch configurations are next (``launches``)."""
+    launch configurations are next (``launches``).
+
+    ``layer`` (the *in-layer* profile, with ``step``): ``{"early": [positions], "between_bytes":
+    B}`` — after the flush the producer writes the early inputs first (a gated norm's z,
+    which the layer's in_proj writes), then B bytes stream through L2 (read and written, as
+    the GDN kernel does its recurrent state), then the producer writes the rest (x, the GDN
+    output), then the call. Why: session 21 read the gated norm in step at 1.12 / 1.25 /
+    1.01 of the model at 1 / 16 / 64 tokens and in context at 0.92 / 0.98 / 0.74, as if z
+    were in L2 in the model at 1 and 16 tokens and out of it at 64, where the state streamed
+    in between (2 MiB per sequence) passes L2's 50 MiB; this profile puts z exactly that far
+    back."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     try:
-        producer = producers(args, op, first_only=step)
+        if layer is not None:
+            early = list(layer.get("early") or [])
+            late = [j for j in range(len(token_inputs(args, op))) if j not in early]
+            producer_early = producers(args, op, only=early)
+            producer = producers(args, op, only=late)
+            half = max(int(layer.get("between_bytes") or 0) // 2, 1)
+            state_src = torch.empty(half, dtype=torch.int8, device="cuda")
+            state_dst = torch.empty(half, dtype=torch.int8, device="cuda")
+        else:
+            producer_early, state_src = None, None
+            producer = producers(args, op, first_only=step)
         if not producer.weights:
             return {"skipped": f"{op} has no token-sized input for a GEMM to write"}
-        n = max(n, *producer.weights)
+        n = max(n, *producer.weights, *(producer_early.weights if producer_early else []))
         flush = (torch.empty(STEP_FLUSH_BYTES, dtype=torch.int8, device="cuda")
-                 if step else None)
+                 if step or layer is not None else None)
 
         def rounds(k):
             for i in range(k):
                 if flush is not None:
                     flush.fill_(i % 127)
+                if producer_early is not None:
+                    producer_early(i)
+                    state_dst.copy_(state_src)
                 producer(i)
                 call()
         stream = torch.cuda.Stream()
@@ -354,6 +395,9 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False)
     out["step"] = step
     out["producer_weight_mib"] = round(producer.weight_bytes / 2**20, 1)
     out["rounds"] = n
+    if layer is not None:
+        out["layer"] = {"early": list(layer.get("early") or []),
+                        "between_bytes": 2 * half}
     return out
 
 
@@ -447,6 +491,15 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                             row.setdefault("kernels_in_step", {})[iid] = in_context(
                                 calls[iid], own_args[iid], item.op,
                                 set(row["kernels"][iid]), step=True)
+                            # a gated norm's z written before the GDN state streams through
+                            # L2, x after it (decode: one state per sequence)
+                            state = gdn_state_bytes(work.items)
+                            if item.op == "rms_norm_gated" and kind == "decode" and state:
+                                row.setdefault("kernels_in_layer", {})[iid] = in_context(
+                                    calls[iid], own_args[iid], item.op,
+                                    set(row["kernels"][iid]), step=True,
+                                    layer={"early": [1],
+                                           "between_bytes": 2 * state * tokens})
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
@@ -536,6 +589,7 @@ def attribute(doc: dict) -> list:
         kern_ctx = kernel_us(ctx)
         step = (row.get("kernels_in_step") or {}).get("native.vllm") or {}
         kern_step = kernel_us(step)
+        kern_layer = kernel_us((row.get("kernels_in_layer") or {}).get("native.vllm"))
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
@@ -544,6 +598,7 @@ def attribute(doc: dict) -> list:
                  "in_context_captured": ctx.get("captured"),
                  "native_kernel_in_step_us": kern_step,
                  "in_step_captured": step.get("captured"),
+                 "native_kernel_in_layer_us": kern_layer,
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
                  "stem_shared_by": len(sharers)}
@@ -570,6 +625,8 @@ def attribute(doc: dict) -> list:
                 entry["in_context_vs_model"] = round(kern_ctx / per_call, 3)
             if kern_step:
                 entry["in_step_vs_model"] = round(kern_step / per_call, 3)
+            if kern_layer:
+                entry["in_layer_vs_model"] = round(kern_layer / per_call, 3)
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -651,14 +708,15 @@ def print_table(table: list) -> None:
     which adds the launch gap between replayed kernels, about the same for every candidate)."""
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
           "| params cold µs | ratio | in context µs | ratio | in step µs | ratio "
-          "| native.vllm race µs | ratio | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| in layer µs | ratio | native.vllm race µs | ratio | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
               f"{e.get('native_kernel_params_cold_us')} | {e.get('params_cold_vs_model', '-')} | "
               f"{e.get('native_kernel_in_context_us')} | {e.get('in_context_vs_model', '-')} | "
               f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
+              f"{e.get('native_kernel_in_layer_us')} | {e.get('in_layer_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

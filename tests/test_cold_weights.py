@@ -219,7 +219,7 @@ def test_what_it_says_when_it_changed_nothing():
     assert "no band of linear is timed by CUDA graph replay" in note
     # a resumed run: the decode bands were measured before, only a prefill band was raced
     note = race.cold_weights_unused(on, lin[1:], lin[:1], 0)
-    assert "already in the DB" in note and "--force" in note
+    assert "in the DB already, timed with the weights cold" in note and "--force" in note
     note = race.cold_weights_unused(on, lin, [], 0)
     assert "2x L2 on their own" in note
     # --cold-l2 times prefill bands eagerly: a band above 512 tokens is not graph-timed even
@@ -231,22 +231,27 @@ def test_what_it_says_when_it_changed_nothing():
     assert "2x L2" in race.cold_weights_unused(high, lin[1:], [], 0)
 
 
-def test_calibrate_on_cpu_says_it_changed_nothing(tmp_path):
-    # through the CLI: one line on stderr, stdout still one JSON document (which carries the
-    # line too); a run without the switch says nothing about it
+def _calibrate_silu(db, max_tokens: int, *extra):
+    """``fltune calibrate`` of tiny-qwen3's silu_and_mul through the CLI, in a child process
+    (the process a user runs): (the completed process, its JSON document)."""
     import subprocess
     import sys
 
     from conftest import child_env
 
+    p = subprocess.run([sys.executable, "-m", "fltune", "calibrate", "--model", "tiny-qwen3",
+                        "--ops", "silu_and_mul", "--max-tokens", str(max_tokens),
+                        "--budget", "0.003", "--no-isolate", "--db", str(db), "--json",
+                        *extra], capture_output=True, text=True, timeout=600, env=child_env())
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, json.loads(p.stdout)
+
+
+def test_calibrate_on_cpu_says_it_changed_nothing(tmp_path):
+    # through the CLI: one line on stderr, stdout still one JSON document (which carries the
+    # line too); a run without the switch says nothing about it
     def calibrate(*extra):
-        p = subprocess.run([sys.executable, "-m", "fltune", "calibrate", "--model",
-                            "tiny-qwen3", "--ops", "silu_and_mul", "--max-tokens", "2",
-                            "--budget", "0.003", "--no-isolate", "--db",
-                            str(tmp_path / "cw.db"), "--json", *extra],
-                           capture_output=True, text=True, timeout=600, env=child_env())
-        assert p.returncode == 0, p.stderr[-3000:]
-        return p, json.loads(p.stdout)
+        return _calibrate_silu(tmp_path / "cw.db", 2, *extra)
 
     p, doc = calibrate("--cold-weights")
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("--cold-weights")]
@@ -255,3 +260,42 @@ def test_calibrate_on_cpu_says_it_changed_nothing(tmp_path):
     assert doc["notes"] == lines and doc["measured"] == 2
     p, doc = calibrate("--force")
     assert "--cold-weights" not in p.stderr and doc["notes"] == []
+
+
+def test_timing_regime_names_the_switches_that_change_a_band():
+    """What a resumed run must match before it skips a band (``has_band``): --cold-weights
+    only where it changes the timing (a graph-timed band of an op with step-cold arguments,
+    on CUDA), --cold-l2 only above 512 tokens."""
+    lin, norm = get_op("linear"), get_op("rms_norm")
+    on = race.Settings(device="cuda", cold_weights=True)
+    assert race.timing_regime(lin, Band(9, 16), on) == {"cold_weights": True}
+    assert race.timing_regime(lin, Band(9, 16), race.Settings(device="cuda")) == {
+        "cold_weights": False}
+    assert race.timing_regime(norm, Band(9, 16), on) == {}
+    assert race.timing_regime(lin, Band(1025, 2048), on) == {"cold_l2": False}
+    assert race.timing_regime(lin, Band(9, 16), race.Settings(device="cpu",
+                                                             cold_weights=True)) == {}
+    assert race.timing_regime(norm, Band(513, 1024), race.Settings(cold_l2=True)) == {
+        "cold_l2": True}
+
+
+def test_a_resumed_run_re_races_only_the_bands_a_timing_switch_changes(tmp_path):
+    """Through the CLI on CPU: bands measured without --cold-l2 are raced again by a run
+    with it, but only those above 512 tokens (the switch changes nothing below); a second
+    such run finds them all. (--cold-weights follows the same rule on CUDA, where it
+    applies: ``timing_regime``.)"""
+    from fltune.tune.bands import bands
+
+    def calibrate(*extra):
+        return _calibrate_silu(tmp_path / "regime.db", 1024, *extra)[1]
+
+    n = len(bands(1024))
+    above = len([b for b in bands(1024) if b.tokens > 512])
+    assert above >= 1
+    first = calibrate()
+    assert first["measured"] == n
+    cold = calibrate("--cold-l2")
+    assert cold["measured"] == above and cold["skipped"] == n - above
+    assert calibrate("--cold-l2")["measured"] == 0
+    # and back: the hot-timed rows were replaced, so a plain run re-races those bands
+    assert calibrate()["measured"] == above

@@ -200,3 +200,31 @@ def test_a_split_k_gemm_is_one_call_of_two_kernels_not_two_calls():
     # an op's variants (different kernels, each its own calls) still add up
     assert nim.model_calls({"a_1": [18.0, 1.0], "a_copy_3": [18.0, 2.0]}) == 36
     assert nim.model_calls({red: [4.0, 1.0]}) == 4      # auxiliary alone: counted
+
+
+def test_the_in_layer_profile_writes_z_apart_and_knows_the_gdn_state_between():
+    """Session 21's hypothesis for the gated norm (its z in L2 in the model at 1-16 tokens,
+    not at 64): the in-layer rounds write z alone first (``only``), stream the GDN state's
+    bytes, then x; the state per sequence comes from the model's GDN ops, and the table gets
+    the profile's column."""
+    import torch
+    from fltune.ops import OPS
+    from fltune.tune.workload import derive
+
+    spec = OPS["rms_norm_gated"]
+    dims = {"hidden": 32, "eps": 1e-6, "group_size": 0, "norm_before_gate": 1,
+            "rows_per_token": 2}
+    args = spec.make_inputs(4, dims, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    x0, z0 = args[0].clone(), args[1].clone()
+    nim.producers(args, "rms_norm_gated", k=16, weight_bytes=1 << 16, only=[1])(0)
+    assert torch.equal(args[0], x0) and not torch.equal(args[1], z0)
+    # Qwen3.5-0.8B: 16 value heads of 128 x 128 fp32 per sequence; Qwen3-0.6B has no GDN
+    # (derived for CUDA, as the GPU run does: on a CPU the GDN ops are opt-in)
+    assert nim.gdn_state_bytes(derive("Qwen3.5-0.8B", device="cuda").items) == 16 * 128 * 128 * 4
+    assert nim.gdn_state_bytes(derive("Qwen3-0.6B", device="cuda").items) == 0
+    doc = _doc({COPY: [18.0, 18.0], "triton_per_fused_1": [18.0, 36.0]})
+    doc["alone"]["rows"][0]["kernels_in_layer"] = {
+        "native.vllm": {"triton_per_fused_0": [1.0, 2.1], "captured": True,
+                        "layer": {"early": [1], "between_bytes": 2 << 20}}}
+    (e,) = nim.attribute(doc)
+    assert e["native_kernel_in_layer_us"] == 2.1 and e["in_layer_vs_model"] == 1.05

@@ -271,3 +271,29 @@ def test_missing_file_with_create_false(tmp_path):
 def test_directory_refused(tmp_path):
     with pytest.raises(DBError, match="is a directory"):
         CalibrationDB(tmp_path)
+
+
+def test_has_band_counts_a_band_only_under_the_timing_switches_asked_for(tmp_db_path):
+    """A band timed with its weight hot is not the band a ``--cold-weights`` run asks for:
+    with a regime, ``has_band`` counts only measurements of a run with the same switches (a
+    switch a run did not record was off); without one, any measurement counts, as before."""
+    db = CalibrationDB(tmp_db_path)
+    try:
+        db.upsert_device(DEVICE)
+        hot = db.start_run(DEVICE, "m", "bf16", 1, {"cold_l2": False}, {}, "s1")
+        cold = db.start_run(DEVICE, "m", "bf16", 1, {"cold_l2": False, "cold_weights": True},
+                            {}, "s1")
+        db.record_band([_measurement("a", band_hi=8, run_id=hot)], _winner("a", band_hi=8))
+        db.record_band([_measurement("a", band_hi=16, run_id=cold)], _winner("a", band_hi=16))
+        key = (DEVICE["device_key"], DEVICE["driver"], "s1", "rms_norm",
+               "eps=1e-06,hidden=1024", "bf16")
+        assert db.has_band(*key, 8) and db.has_band(*key, 16)
+        assert db.has_band(*key, 8, {"cold_weights": False})
+        assert not db.has_band(*key, 8, {"cold_weights": True})
+        assert db.has_band(*key, 16, {"cold_weights": True})
+        assert not db.has_band(*key, 16, {"cold_weights": False})
+        assert db.has_band(*key, 16, {"cold_weights": True, "cold_l2": False})
+        assert not db.has_band(*key, 16, {"cold_l2": True})
+        assert not db.has_band(*key, 32, {})           # never measured
+    finally:
+        db.close()

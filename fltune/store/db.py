@@ -449,13 +449,32 @@ class CalibrationDB:
                 self.db["winners"].upsert({**winner, "created": now}, pk=WINNER_KEY)
 
     # ---- reads ------------------------------------------------------------------------
-    def has_band(self, device_key, driver, stack_key, op, signature, dtype, band_hi) -> bool:
-        """Measured already for this device, driver and stack? (what a rerun skips)"""
-        row = self.db.execute(
-            "select 1 from measurements where device_key=? and driver=? and stack_key=? and "
-            "op=? and signature=? and dtype=? and band_hi=? limit 1",
-            [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchone()
-        return row is not None
+    def has_band(self, device_key, driver, stack_key, op, signature, dtype, band_hi,
+                 regime: Optional[dict] = None) -> bool:
+        """Measured already for this device, driver and stack? (what a rerun skips)
+
+        ``regime``: the timing switches that change how this band is timed
+        (``race.timing_regime``: ``{"cold_weights": True}`` for a GEMM's decode band with
+        ``--cold-weights``, ``{"cold_l2": …}`` above 512 tokens); the band counts only if a
+        run with the same switches measured it (a switch a run did not record was off).
+        Why: a band timed with its weight hot is not the band a ``--cold-weights`` run asks
+        for, yet a resume skipped it, so the switch silently changed nothing (session 21);
+        the stack is part of the key for the same reason."""
+        rows = self.db.execute(
+            "select r.settings from measurements m left join runs r on r.id = m.run_id "
+            "where m.device_key=? and m.driver=? and m.stack_key=? and m.op=? and "
+            "m.signature=? and m.dtype=? and m.band_hi=? group by m.run_id",
+            [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchall()
+        if not regime:
+            return bool(rows)
+        for (settings,) in rows:
+            try:
+                st = json.loads(settings or "{}")
+            except ValueError:
+                st = {}
+            if all(bool(st.get(k, False)) == bool(v) for k, v in regime.items()):
+                return True
+        return False
 
     def devices(self) -> list[dict]:
         return list(self.db.query(

@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..dispatch.manager import OpManager
-from ..ops import dtype_from_name
+from ..ops import dtype_from_name, get_op
 from ..store import CalibrationDB
 from ..store import device as devmod
 from . import noise as noisemod
 from .adjudicate import rows_for_db
 from .bands import bands, max_tokens_for
-from .race import Settings, cold_weights_unused
+from .race import Settings, cold_weights_unused, timing_regime
 from .worker import racer
 from .workload import Workload, derive
 
@@ -128,7 +128,8 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
             sig = item.signature
             dt = dtype_from_name(item.dtype)
             if not force and db.has_band(dev["device_key"], dev["driver"], skey, item.op, sig,
-                                         item.dtype, band.hi):
+                                         item.dtype, band.hi,
+                                         timing_regime(get_op(item.op), band, settings)):
                 result.skipped += 1
                 cached.append((item.op, band))
                 if progress:

@@ -122,6 +122,21 @@ def graph_timed(band: Band, settings: Settings) -> bool:
     return not cold and band.tokens <= settings.graph_limit
 
 
+def timing_regime(spec, band: Band, settings: Settings) -> dict:
+    """The timing switches that change how ``band`` of an op (``spec``) is timed, with their
+    values in ``settings``: ``cold_l2`` above 512 tokens (eager, L2 flushed per call),
+    ``cold_weights`` for a CUDA-graph-timed band of an op with step-cold arguments on CUDA.
+    A resumed calibration counts a band as measured only under the same switches
+    (``CalibrationDB.has_band``); a switch that cannot change a band is left out, so a
+    ``--cold-weights`` run does not re-race the norms or the prefill bands."""
+    regime = {}
+    if band.tokens > 512:
+        regime["cold_l2"] = bool(settings.cold_l2)
+    if settings.device == "cuda" and spec.step_cold_args and graph_timed(band, settings):
+        regime["cold_weights"] = bool(settings.cold_weights)
+    return regime
+
+
 def cold_weights_unused(settings: Settings, raced: list, skipped: list,
                         rotated: int) -> Optional[str]:
     """The one line a calibration prints when ``--cold-weights`` was asked for and changed
@@ -154,9 +169,9 @@ def cold_weights_unused(settings: Settings, raced: list, skipped: list,
         return (head + f"no band of {names} is timed by CUDA graph replay (above "
                        f"{settings.graph_limit} tokens, or timed eagerly by --cold-l2)" + tail)
     if not any(op in cold_ops and graph_timed(b, settings) for op, b in raced):
-        return (head + f"every CUDA-graph-timed band of {names} was already in the DB for "
-                       f"this device, driver and stack, so none was raced (add --force to "
-                       f"re-race them with the weights cold)")
+        return (head + f"every CUDA-graph-timed band of {names} was in the DB already, timed "
+                       f"with the weights cold by an earlier run on this device, driver and "
+                       f"stack, so none was raced (--force re-races them)")
     return (head + f"the cold arguments of {names} span {cold_weights.L2_FACTOR:g}x L2 on "
                    f"their own at every band raced, or free memory left no room for a second "
                    f"copy" + tail)

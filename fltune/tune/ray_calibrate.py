@@ -359,10 +359,11 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
     events of ``calibrate``'s progress, so the same renderer draws them."""
     from dataclasses import replace
 
+    from ..ops import get_op
     from ..store import CalibrationDB
     from . import noise as noisemod
     from .bands import Band, bands, max_tokens_for
-    from .race import Settings, cold_weights_unused
+    from .race import Settings, cold_weights_unused, timing_regime
     from .workload import derive
 
     t0 = time.perf_counter()
@@ -417,7 +418,9 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                         continue
                     total += 1
                     if not force and db.has_band(dk, drv, skey, item.op, item.signature,
-                                                 item.dtype, band.hi):
+                                                 item.dtype, band.hi,
+                                                 timing_regime(get_op(item.op), band,
+                                                               settings)):
                         g.skipped += 1
                         skips.append({"op": item.op, "band": band, "signature": item.signature,
                                       "dtype": item.dtype, "last": False})
