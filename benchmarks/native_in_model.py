@@ -250,7 +250,10 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
     per_arg, gens = [], {}
     inputs = token_inputs(args, op)
     if only is not None:
-        inputs = [inputs[j] for j in only if j < len(inputs)]
+        if any(j >= len(inputs) for j in only):
+            raise ValueError(f"{op} has {len(inputs)} token-sized inputs: no position "
+                             f"{max(only)} to write")
+        inputs = [inputs[j] for j in only]
     elif first_only:
         inputs = inputs[:1]
     for _, a in inputs:
@@ -330,13 +333,14 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
 
     ``layer`` (the *in-layer* profile, with ``step``): ``{"early": [positions], "between_bytes":
     B}`` — after the flush the producer writes the early inputs first (a gated norm's z,
-    which the layer's in_proj writes), then B bytes stream through L2 (read and written, as
-    the GDN kernel does its recurrent state), then the producer writes the rest (x, the GDN
-    output), then the call. Why: session 21 read the gated norm in step at 1.12 / 1.25 /
-    1.01 of the model at 1 / 16 / 64 tokens and in context at 0.92 / 0.98 / 0.74, as if z
-    were in L2 in the model at 1 and 16 tokens and out of it at 64, where the state streamed
-    in between (2 MiB per sequence) passes L2's 50 MiB; this profile puts z exactly that far
-    back."""
+    which the layer's in_proj writes), then one fp32 buffer of B bytes is read and written
+    in place (as the GDN kernel updates its recurrent state: B bytes of footprint in L2),
+    then the producer writes the rest (x, the GDN output), then the call. Why: session 21
+    read the gated norm in step at 1.12 / 1.25 / 1.01 of the model at 1 / 16 / 64 tokens and
+    in context at 0.92 / 0.98 / 0.74, as if z were in L2 in the model at 1 and 16 tokens and
+    out of it at 64, where the state updated in between (1 MiB per sequence) passes L2's 50
+    MiB. The late producer's own weight copy and source pass through L2 too (a few MiB), as
+    the model's GDN output projection inputs do; the profile records the footprint it used."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
 
@@ -346,11 +350,10 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
             late = [j for j in range(len(token_inputs(args, op))) if j not in early]
             producer_early = producers(args, op, only=early)
             producer = producers(args, op, only=late)
-            half = max(int(layer.get("between_bytes") or 0) // 2, 1)
-            state_src = torch.empty(half, dtype=torch.int8, device="cuda")
-            state_dst = torch.empty(half, dtype=torch.int8, device="cuda")
+            state = torch.zeros(max(int(layer.get("between_bytes") or 0) // 4, 1),
+                                dtype=torch.float32, device="cuda")
         else:
-            producer_early, state_src = None, None
+            producer_early, state = None, None
             producer = producers(args, op, first_only=step)
         if not producer.weights:
             return {"skipped": f"{op} has no token-sized input for a GEMM to write"}
@@ -364,7 +367,7 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
                     flush.fill_(i % 127)
                 if producer_early is not None:
                     producer_early(i)
-                    state_dst.copy_(state_src)
+                    state.add_(1.0)             # read and written in place, as GDN's state
                 producer(i)
                 call()
         stream = torch.cuda.Stream()
@@ -397,7 +400,7 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
     out["rounds"] = n
     if layer is not None:
         out["layer"] = {"early": list(layer.get("early") or []),
-                        "between_bytes": 2 * half}
+                        "between_bytes": state.numel() * 4}
     return out
 
 
@@ -491,15 +494,14 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                             row.setdefault("kernels_in_step", {})[iid] = in_context(
                                 calls[iid], own_args[iid], item.op,
                                 set(row["kernels"][iid]), step=True)
-                            # a gated norm's z written before the GDN state streams through
-                            # L2, x after it (decode: one state per sequence)
+                            # a gated norm's z written before the GDN state is updated,
+                            # x after it (decode: one state per sequence)
                             state = gdn_state_bytes(work.items)
                             if item.op == "rms_norm_gated" and kind == "decode" and state:
                                 row.setdefault("kernels_in_layer", {})[iid] = in_context(
                                     calls[iid], own_args[iid], item.op,
                                     set(row["kernels"][iid]), step=True,
-                                    layer={"early": [1],
-                                           "between_bytes": 2 * state * tokens})
+                                    layer={"early": [1], "between_bytes": state * tokens})
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}

@@ -263,9 +263,10 @@ def test_calibrate_on_cpu_says_it_changed_nothing(tmp_path):
 
 
 def test_timing_regime_names_the_switches_that_change_a_band():
-    """What a resumed run must match before it skips a band (``has_band``): --cold-weights
-    only where it changes the timing (a graph-timed band of an op with step-cold arguments,
-    on CUDA), --cold-l2 only above 512 tokens."""
+    """What a resumed run must match before it skips a band (``has_band``): on CUDA,
+    --cold-weights only where it changes the timing (a graph-timed band of an op with
+    step-cold arguments), --cold-l2 only above 512 tokens; on a CPU neither (its timer
+    flushes nothing and replays no graph)."""
     lin, norm = get_op("linear"), get_op("rms_norm")
     on = race.Settings(device="cuda", cold_weights=True)
     assert race.timing_regime(lin, Band(9, 16), on) == {"cold_weights": True}
@@ -273,29 +274,42 @@ def test_timing_regime_names_the_switches_that_change_a_band():
         "cold_weights": False}
     assert race.timing_regime(norm, Band(9, 16), on) == {}
     assert race.timing_regime(lin, Band(1025, 2048), on) == {"cold_l2": False}
+    assert race.timing_regime(norm, Band(513, 1024), race.Settings(device="cuda",
+                                                                   cold_l2=True)) == {
+        "cold_l2": True}
     assert race.timing_regime(lin, Band(9, 16), race.Settings(device="cpu",
                                                              cold_weights=True)) == {}
-    assert race.timing_regime(norm, Band(513, 1024), race.Settings(cold_l2=True)) == {
-        "cold_l2": True}
+    assert race.timing_regime(norm, Band(513, 1024), race.Settings(device="cpu",
+                                                                   cold_l2=True)) == {}
 
 
-def test_a_resumed_run_re_races_only_the_bands_a_timing_switch_changes(tmp_path):
-    """Through the CLI on CPU: bands measured without --cold-l2 are raced again by a run
-    with it, but only those above 512 tokens (the switch changes nothing below); a second
-    such run finds them all. (--cold-weights follows the same rule on CUDA, where it
-    applies: ``timing_regime``.)"""
+def test_a_resumed_run_re_races_only_the_bands_a_timing_switch_changes(tmp_path, monkeypatch):
+    """``calibrate`` asks ``has_band`` with each band's regime: bands timed without a switch
+    are raced again by a run with it, only those the switch changes, and a second such run
+    finds them all. Run in process on CPU, with the CUDA rule for --cold-l2 (above 512
+    tokens) standing in for the device's (on a CPU no switch changes a band: the CLI run
+    at the end re-races nothing)."""
+    from fltune.tune import calibrate as calmod
     from fltune.tune.bands import bands
 
-    def calibrate(*extra):
-        return _calibrate_silu(tmp_path / "regime.db", 1024, *extra)[1]
+    monkeypatch.setattr(calmod, "timing_regime", lambda spec, band, settings: (
+        {"cold_l2": bool(settings.cold_l2)} if band.tokens > 512 else {}))
+    db = str(tmp_path / "regime.db")
+
+    def calibrate(cold_l2):
+        return calmod.calibrate("tiny-qwen3", db, ops=["silu_and_mul"], max_tokens=1024,
+                                isolate=False,
+                                settings=race.Settings(budget_s=0.003, cold_l2=cold_l2))
 
     n = len(bands(1024))
     above = len([b for b in bands(1024) if b.tokens > 512])
     assert above >= 1
-    first = calibrate()
-    assert first["measured"] == n
-    cold = calibrate("--cold-l2")
-    assert cold["measured"] == above and cold["skipped"] == n - above
-    assert calibrate("--cold-l2")["measured"] == 0
+    assert calibrate(False).measured == n
+    cold = calibrate(True)
+    assert cold.measured == above and cold.skipped == n - above
+    assert calibrate(True).measured == 0
     # and back: the hot-timed rows were replaced, so a plain run re-races those bands
-    assert calibrate()["measured"] == above
+    assert calibrate(False).measured == above
+    monkeypatch.undo()
+    assert _calibrate_silu(db, 1024)[1]["measured"] == 0     # the CPU's own rule
+    assert _calibrate_silu(db, 1024, "--cold-l2")[1]["measured"] == 0

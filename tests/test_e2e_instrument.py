@@ -831,6 +831,12 @@ def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
     (_summary([("decode_b16", "aa", 1.0)], model="Qwen3.5-0.8B"), "differ in model"),
     (_summary([("decode_b16", "calibrated", 1.0)], env={"FLTUNE_DB": "/tmp/b.db"}),
      "arm 'calibrated' ran with another environment"),
+    ({**_summary([("decode_b16", "aa", 1.0)]),
+      "engine": {"baseline": "vanilla", "reps": 10, "args": {"max_model_len": 1}}},
+     "engine args differ"),
+    ({k: v for k, v in _summary([("decode_b16", "aa", 1.0)]).items() if k != "vllm"},
+     "summary 2 is not an e2e-summary.json \\(no vllm\\)"),
+    ([], "summary 2 is not an e2e-summary.json \\(not an object\\)"),
 ])
 def test_join_summaries_refuses_what_would_mix_answers(second, words):
     first = _summary([("decode_b1", "aa", 1.0), ("decode_b1", "calibrated", 1.2)])

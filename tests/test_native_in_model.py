@@ -228,3 +228,16 @@ def test_the_in_layer_profile_writes_z_apart_and_knows_the_gdn_state_between():
                         "layer": {"early": [1], "between_bytes": 2 << 20}}}
     (e,) = nim.attribute(doc)
     assert e["native_kernel_in_layer_us"] == 2.1 and e["in_layer_vs_model"] == 1.05
+
+
+def test_producers_refuse_a_position_the_op_does_not_have():
+    """An in-layer profile that named an input the op lacks would run with nothing written
+    early and read as if it had: it is refused instead."""
+    import pytest
+    import torch
+    from fltune.ops import OPS
+
+    args = OPS["silu_and_mul"].make_inputs(4, {"intermediate": 8}, torch.float32, "cpu",
+                                           torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="no position 1"):
+        nim.producers(args, "silu_and_mul", k=8, weight_bytes=1 << 12, only=[1])

@@ -297,3 +297,32 @@ def test_has_band_counts_a_band_only_under_the_timing_switches_asked_for(tmp_db_
         assert not db.has_band(*key, 32, {})           # never measured
     finally:
         db.close()
+
+
+def test_has_band_reads_the_last_race_of_a_band_and_survives_odd_settings(tmp_db_path):
+    """Rows are kept per candidate, so a band can hold a candidate's row from an older run
+    (it left the field) beside the newer race's: the regime is the last race's. A run whose
+    settings are not a JSON object (a hand-edited or foreign row) had every switch off."""
+    import time as _time
+
+    db = CalibrationDB(tmp_db_path)
+    try:
+        db.upsert_device(DEVICE)
+        hot = db.start_run(DEVICE, "m", "bf16", 1, {"cold_l2": False}, {}, "s1")
+        cold = db.start_run(DEVICE, "m", "bf16", 1, {"cold_l2": True}, {}, "s1")
+        key = (DEVICE["device_key"], DEVICE["driver"], "s1", "rms_norm",
+               "eps=1e-06,hidden=1024", "bf16")
+        db.record_band([_measurement("a", run_id=hot), _measurement("b", run_id=hot)],
+                       _winner("a"))
+        _time.sleep(0.01)
+        db.record_band([_measurement("a", run_id=cold)], _winner("a", run_id=cold))
+        assert db.has_band(*key, 8, {"cold_l2": True})
+        assert not db.has_band(*key, 8, {"cold_l2": False})       # b's old row does not count
+        odd = db.start_run(DEVICE, "m", "bf16", 1, {}, {}, "s1")
+        db.db.execute("update runs set settings = 'null' where id = ?", [odd])
+        _time.sleep(0.01)
+        db.record_band([_measurement("a", run_id=odd)], _winner("a", run_id=odd))
+        assert db.has_band(*key, 8, {"cold_l2": False})
+        assert not db.has_band(*key, 8, {"cold_l2": True})
+    finally:
+        db.close()

@@ -427,16 +427,33 @@ def join_summaries(docs: list) -> dict:
     Why refuse rather than pick: a point measured twice (same scenario and arm) has two
     answers and the reader must choose which one stands; an arm name whose environment
     differs between runs (another DB behind ``calibrated``) would put two arms under one
-    name; another model, device or vLLM makes the ratios incomparable. Each run's own
+    name; another model, device or vLLM, or other engine arguments, warm-up, inner runs or
+    pinning make the ratios incomparable. Each run's own
     command, date, engine and arms stay in ``runs``, so nothing a single summary said is
     lost; the top level keeps the issue's keys (``command`` joins the runs' commands)."""
     if not docs:
         raise ValueError("join_summaries: no summaries given")
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict):
+            raise ValueError(f"summary {i + 1} is not an e2e-summary.json (not an object)")
+        missing = [k for k in ("device", "model", "vllm", "points") if d.get(k) is None]
+        bad = [p for p in d.get("points") or [] if "scenario" not in p or "arm" not in p]
+        if missing or bad:
+            raise ValueError(f"summary {i + 1} is not an e2e-summary.json"
+                             + (f" (no {', '.join(missing)})" if missing else
+                                " (a point without scenario or arm)"))
     for key in ("device", "model", "vllm"):
         vals = sorted({str(d.get(key)) for d in docs})
         if len(vals) > 1:
             raise ValueError(f"the summaries differ in {key} ({', '.join(vals)}): join only "
                              f"runs of one model on one device and vLLM")
+    # what makes the ratios comparable besides the model: the engine's arguments and the
+    # method (warm-up, inner runs, pinning); the repetitions may differ (each point has n)
+    for key in ("args", "warmup", "inner", "pinning", "baseline"):
+        vals = {json.dumps((d.get("engine") or {}).get(key), sort_keys=True) for d in docs}
+        if len(vals) > 1:
+            raise ValueError(f"the summaries' engine {key} differ ({', '.join(sorted(vals))}): "
+                             f"their ratios were measured differently")
     seen: dict = {}
     envs: dict = {}
     for i, d in enumerate(docs):
@@ -452,13 +469,11 @@ def join_summaries(docs: list) -> dict:
                 raise ValueError(f"{k[0]} / {k[1]} is in summaries {seen[k] + 1} and {i + 1}: "
                                  f"leave one out (a point has one measurement)")
             seen[k] = i
-    baselines = {(d.get("engine") or {}).get("baseline", "vanilla") for d in docs}
-    if len(baselines) > 1:
-        raise ValueError(f"the summaries' baselines differ ({', '.join(sorted(baselines))})")
     first = docs[0]
     engine = dict(first.get("engine") or {})
     engine["scenarios"] = [s for d in docs for s in (d.get("engine") or {}).get("scenarios") or []]
     engine["reps"] = max(int((d.get("engine") or {}).get("reps") or 0) for d in docs)
+    engine["reps_per_run"] = [(d.get("engine") or {}).get("reps") for d in docs]
     engine["notes"] = list(dict.fromkeys(n for d in docs
                                          for n in (d.get("engine") or {}).get("notes") or []))
     engine.pop("retaken", None)         # per run: in runs[i].engine
@@ -467,7 +482,7 @@ def join_summaries(docs: list) -> dict:
         for name, arm in (d.get("arms") or {}).items():
             arms.setdefault(name, arm)
     return {"device": first["device"], "model": first["model"], "vllm": first["vllm"],
-            "date": max(str(d.get("date")) for d in docs),
+            "date": max((str(d["date"]) for d in docs if d.get("date")), default=None),
             "command": " ; ".join(str(d.get("command")) for d in docs),
             "engine": engine, "arms": arms,
             "points": [p for d in docs for p in d.get("points") or []],

@@ -161,9 +161,9 @@ def _stack_warnings(stacks: dict, db_path: str, strict: bool,
     """One warning per recorded stack that differs from the running one (``strict``:
     raise instead), naming the commands that re-measure: every model the DB holds, each
     with the ops its runs measured (``hints.workload_commands``), not only the newest
-    run's — an older run's winners are as old. Bands already measured on this stack are
-    skipped by those commands (``calibrate`` resumes per stack), so covering the whole
-    DB costs only what is stale."""
+    run's — an older run's winners are as old. Bands already measured on this stack (with
+    the command's timing switches) are skipped by those commands (``calibrate`` resumes per
+    stack and switches), so covering the whole DB costs little more than what is stale."""
     warnings = []
     now = devmod.stack()
     for st in stacks.values():

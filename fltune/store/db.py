@@ -455,26 +455,31 @@ class CalibrationDB:
 
         ``regime``: the timing switches that change how this band is timed
         (``race.timing_regime``: ``{"cold_weights": True}`` for a GEMM's decode band with
-        ``--cold-weights``, ``{"cold_l2": …}`` above 512 tokens); the band counts only if a
-        run with the same switches measured it (a switch a run did not record was off).
-        Why: a band timed with its weight hot is not the band a ``--cold-weights`` run asks
-        for, yet a resume skipped it, so the switch silently changed nothing (session 21);
-        the stack is part of the key for the same reason."""
-        rows = self.db.execute(
+        ``--cold-weights``, ``{"cold_l2": …}`` above 512 tokens on CUDA); the band counts only
+        if the run that raced it last used the same switches (a switch a run did not record
+        was off; a row without a run, from an old or merged DB, had them all off). The last
+        race, not any: rows are kept per candidate, so a candidate that left the field keeps
+        an older run's row beside the newer ones. Why: a band timed with its weight hot is
+        not the band a ``--cold-weights`` run asks for, yet a resume skipped it, so the
+        switch silently changed nothing (session 21); the stack is part of the key for the
+        same reason."""
+        row = self.db.execute(
             "select r.settings from measurements m left join runs r on r.id = m.run_id "
             "where m.device_key=? and m.driver=? and m.stack_key=? and m.op=? and "
-            "m.signature=? and m.dtype=? and m.band_hi=? group by m.run_id",
-            [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchall()
+            "m.signature=? and m.dtype=? and m.band_hi=? "
+            "order by m.created desc, m.rowid desc limit 1",
+            [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchone()
+        if row is None:
+            return False
         if not regime:
-            return bool(rows)
-        for (settings,) in rows:
-            try:
-                st = json.loads(settings or "{}")
-            except ValueError:
-                st = {}
-            if all(bool(st.get(k, False)) == bool(v) for k, v in regime.items()):
-                return True
-        return False
+            return True
+        try:
+            st = json.loads(row[0] or "{}")
+        except (TypeError, ValueError):
+            st = {}
+        if not isinstance(st, dict):
+            st = {}
+        return all(bool(st.get(k, False)) == bool(v) for k, v in regime.items())
 
     def devices(self) -> list[dict]:
         return list(self.db.query(

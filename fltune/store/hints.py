@@ -94,7 +94,9 @@ def workload_commands(db, device_key: str, driver: str) -> list[str]:
     dropped them would replace cold-timed winners with hot-timed ones). The runs read are
     those that still hold a winner here: a run whose every band a later one re-measured
     has nothing left to re-measure. With no such run (no run ids in the winners), the
-    newest run's command, as :func:`calibrate_hint` gives it."""
+    newest run's command, as :func:`calibrate_hint` gives it. Winners whose run is gone
+    (an old or merged DB's) name no model, so no command here covers them (the freeze
+    warning stays until they are re-measured or the DB is rebuilt)."""
     try:
         held = {w.get("run_id") for w in db.winners(device_key, driver)}
         runs = [r for r in db.runs(device_key)

@@ -124,15 +124,18 @@ def graph_timed(band: Band, settings: Settings) -> bool:
 
 def timing_regime(spec, band: Band, settings: Settings) -> dict:
     """The timing switches that change how ``band`` of an op (``spec``) is timed, with their
-    values in ``settings``: ``cold_l2`` above 512 tokens (eager, L2 flushed per call),
-    ``cold_weights`` for a CUDA-graph-timed band of an op with step-cold arguments on CUDA.
+    values in ``settings``: on CUDA, ``cold_l2`` above 512 tokens (eager, L2 flushed per
+    call), ``cold_weights`` for a CUDA-graph-timed band of an op with step-cold arguments.
     A resumed calibration counts a band as measured only under the same switches
     (``CalibrationDB.has_band``); a switch that cannot change a band is left out, so a
-    ``--cold-weights`` run does not re-race the norms or the prefill bands."""
+    ``--cold-weights`` run does not re-race the norms or the prefill bands, and on a CPU
+    (whose timer flushes nothing and replays no graph) neither switch re-races anything."""
     regime = {}
+    if settings.device != "cuda":
+        return regime
     if band.tokens > 512:
         regime["cold_l2"] = bool(settings.cold_l2)
-    if settings.device == "cuda" and spec.step_cold_args and graph_timed(band, settings):
+    if spec.step_cold_args and graph_timed(band, settings):
         regime["cold_weights"] = bool(settings.cold_weights)
     return regime
 
