@@ -418,6 +418,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     reg = OpRegistry()
     discover(reg)
     work = derive(profile)
+    gdn_state = gdn_state_bytes(work.items)     # per sequence; 0 without GDN layers
     seen, rows = set(), []
     for item in work.items:
         if item.op not in OPS or (item.op, item.dims) in seen:
@@ -496,12 +497,11 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                                 set(row["kernels"][iid]), step=True)
                             # a gated norm's z written before the GDN state is updated,
                             # x after it (decode: one state per sequence)
-                            state = gdn_state_bytes(work.items)
-                            if item.op == "rms_norm_gated" and kind == "decode" and state:
+                            if item.op == "rms_norm_gated" and kind == "decode" and gdn_state:
                                 row.setdefault("kernels_in_layer", {})[iid] = in_context(
                                     calls[iid], own_args[iid], item.op,
                                     set(row["kernels"][iid]), step=True,
-                                    layer={"early": [1], "between_bytes": state * tokens})
+                                    layer={"early": [1], "between_bytes": gdn_state * tokens})
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}

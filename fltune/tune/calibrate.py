@@ -7,7 +7,6 @@ warm rerun measures nothing. ``force=True`` re-measures (rows are replaced, not 
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from ..store import device as devmod
 from . import noise as noisemod
 from .adjudicate import rows_for_db
 from .bands import bands, max_tokens_for
-from .race import Settings, cold_weights_unused, timing_regime
+from .race import Settings, cold_weights_unused, rotated_weights, timing_regime
 from .worker import racer
 from .workload import Workload, derive
 
@@ -148,8 +147,7 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
             db.record_band(rows, win)
             result.measured += 1
             raced.append((item.op, band))
-            rotated += any("cold_weight_copies" in json.loads(r["timer"] or "{}")
-                           for r in rows)
+            rotated += rotated_weights(rows)
             if win:
                 result.winners.append({k: win[k] for k in ("op", "signature", "dtype", "band_lo",
                                                            "band_hi", "impl_id", "median_us",

@@ -21,6 +21,7 @@ win here" must be answerable from the DB alone.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,7 +42,7 @@ class Settings:
     device: str = "cpu"
     parity_floor: float = parity.PARITY_FLOOR
     margin: float = WIN_MARGIN
-    cold_l2: bool = False          # eager cold-L2 timing for prefill bands (> 512 tokens)
+    cold_l2: bool = False          # eager cold-L2 timing for prefill bands (> COLD_L2_ABOVE)
     #: CUDA graph-timed bands: an op's step-cold arguments (a GEMM's weight) rotated
     #: through copies that overflow L2, as a model step reads them (tune/cold_weights.py)
     cold_weights: bool = False
@@ -114,12 +115,29 @@ def pick_winner(timed: list[Outcome], margin: float):
     return winner, runner_up, reason
 
 
+#: ``--cold-l2`` times the bands above this many tokens (prefill) eagerly, L2 flushed per call
+COLD_L2_ABOVE = 512
+
+
+def timing_mode(band: Band, settings: Settings) -> tuple[bool, bool]:
+    """(cold, eager): whether the race times ``band`` with L2 flushed before each call
+    (``--cold-l2``, above :data:`COLD_L2_ABOVE` tokens) or eagerly back to back (above
+    ``graph_limit``); neither = calls replayed from one CUDA graph. The one statement of the
+    rule: the race, ``--cold-weights``' report and the resume's regime all read it."""
+    cold = settings.cold_l2 and band.tokens > COLD_L2_ABOVE
+    return cold, not cold and band.tokens > settings.graph_limit
+
+
 def graph_timed(band: Band, settings: Settings) -> bool:
     """Whether the race times ``band`` as calls replayed from one CUDA graph (on CUDA): a
-    band up to ``graph_limit`` tokens that ``--cold-l2`` does not time eagerly. The one
-    statement of the rule, so that what ``--cold-weights`` reports matches what it did."""
-    cold = settings.cold_l2 and band.tokens > 512
-    return not cold and band.tokens <= settings.graph_limit
+    band up to ``graph_limit`` tokens that ``--cold-l2`` does not time eagerly."""
+    return not any(timing_mode(band, settings))
+
+
+def rotated_weights(rows: list) -> bool:
+    """Whether a raced band's candidates rotated copies of their weights (their timers
+    record ``cold_weight_copies``): what ``cold_weights_unused`` counts."""
+    return any("cold_weight_copies" in json.loads(r["timer"] or "{}") for r in rows)
 
 
 def timing_regime(spec, band: Band, settings: Settings) -> dict:
@@ -133,7 +151,7 @@ def timing_regime(spec, band: Band, settings: Settings) -> dict:
     regime = {}
     if settings.device != "cuda":
         return regime
-    if band.tokens > 512:
+    if band.tokens > COLD_L2_ABOVE:
         regime["cold_l2"] = bool(settings.cold_l2)
     if spec.step_cold_args and graph_timed(band, settings):
         regime["cold_weights"] = bool(settings.cold_weights)
@@ -283,9 +301,8 @@ def _race(op_name, dims, dtype, band, impls, settings, progress) -> Verdict:
             outcomes.append(o)
             passing.append(o)
     del ref
-    cold = settings.cold_l2 and band.tokens > 512
-    eager = not cold and band.tokens > settings.graph_limit
-    copies = _cold_weight_copies(spec, args, settings, graph_timed=graph_timed(band, settings),
+    cold, eager = timing_mode(band, settings)
+    copies = _cold_weight_copies(spec, args, settings, graph_timed=not (cold or eager),
                                  candidates=len(passing) + len(failing))
     calls = {}
     for o in passing + failing:

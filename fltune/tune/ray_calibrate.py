@@ -363,7 +363,7 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
     from ..store import CalibrationDB
     from . import noise as noisemod
     from .bands import Band, bands, max_tokens_for
-    from .race import Settings, cold_weights_unused, timing_regime
+    from .race import Settings, cold_weights_unused, rotated_weights, timing_regime
     from .workload import derive
 
     t0 = time.perf_counter()
@@ -522,8 +522,7 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
             g.measured += 1
             g.undecided += bool(res["undecided"])
             raced.append((job["op"], Band(job["lo"], job["hi"])))
-            rotated += any("cold_weight_copies" in json.loads(r["timer"] or "{}")
-                           for r in res["rows"])
+            rotated += rotated_weights(res["rows"])
             g.left[job["table"]] -= 1
             if progress:
                 progress("band", op=job["op"], band=Band(job["lo"], job["hi"]), winner=win,
