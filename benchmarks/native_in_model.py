@@ -288,6 +288,144 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
 STEP_FLUSH_BYTES = 128 << 20
 
 
+#: the fused-add norms: the ops a model layer calls twice with a subgraph between, whose
+#: pair Inductor compiles as two different kernels (:func:`layer_pair`)
+PAIRED_OPS = ("fused_add_rms_norm", "gemma_fused_add_rms_norm")
+
+
+def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None = None):
+    """vLLM's native ``op`` (a fused-add norm) twice, as one piecewise subgraph of a decoder
+    layer holds it, compiled the way :mod:`fltune.backends.native_vllm` compiles the op
+    alone (vLLM's Inductor options, only the token dimension dynamic, traced first at vLLM's
+    ``max_num_batched_tokens``). Returns ``(run, inputs)``: ``run(*inputs)`` returns the
+    second norm's ``(out, residual)``; ``inputs`` are built like ``args`` (a call of the op)
+    at the call's token count.
+
+    Why: session 21 read vLLM's generated code for Qwen3.5 and found that Inductor does not
+    compile a layer's two fused-add norms as two calls of one kernel. Between the
+    post-attention norm and the next layer's input norm (one piecewise subgraph: o_proj,
+    norm, MLP, norm, qkv) the first norm's new residual is never stored: its kernel loads x
+    and the residual and stores the normalised output only; the second norm's kernel
+    recomputes that residual from the same two inputs, adds the MLP output, stores the new
+    residual and its output, and also stores a ``copy_`` of o_proj's output into a graph
+    input (vLLM's in-place buffer at the subgraph's boundary: Inductor fuses that copy into
+    the last kernel that reads o_proj's output). The model's per-call time is the two
+    kernels' average, which a single-op candidate cannot reproduce. This graph has the same
+    structure: ``o = src @ w_o`` (o_proj), norm 1 on ``(o, residual)``, ``d = h1 @ w_mid``
+    (the MLP, one GEMM: an extern kernel between the norms is what keeps Inductor from
+    fusing them into one reduction), norm 2 on ``(d, r1)``, and with ``copy`` the copy of
+    ``o`` into ``boundary`` (a graph input), so the triton kernels it compiles are the
+    model's pair."""
+    import torch
+    from fltune.backends import native_vllm as nv
+
+    if op not in PAIRED_OPS:
+        raise ValueError(f"{op} is not a fused-add norm: no layer pair ({PAIRED_OPS})")
+    fn, _ = nv.sources()[op]
+    x, _res, _weight, eps = args
+    dev = x.device
+    eps = float(eps)
+
+    def pair(src, w_o, residual, w_mid, weight1, weight2, boundary):
+        o = torch.mm(src, w_o)
+        h1, r1 = fn(o, residual, weight1, eps)
+        d = torch.mm(h1, w_mid)
+        h2, r2 = fn(d, r1, weight2, eps)
+        if copy:
+            boundary.copy_(o)
+        return h2, r2
+
+    nv.COMPILES[0] += 1
+    graph_fn = nv._unique(pair, f"native_vllm_{op}_layer_pair_{nv.COMPILES[0]}")
+    opts, patches = nv.compile_settings(dev.type)
+    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
+                             options={**opts, "guard_filter_fn": nv._skip_guards()})
+    n_trace = trace_tokens or nv.trace_tokens(dev.type)
+    first = pair_inputs(args, n_trace)
+    for i in (0, 2, 6):                     # src, residual, boundary: the token dims
+        torch._dynamo.mark_dynamic(first[i], 0)
+    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
+                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
+    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
+            torch._inductor.config.patch(**patches):
+        compiled(*first)
+    return compiled, pair_inputs(args)
+
+
+def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | None = None) -> dict:
+    """The model's pair of fused-add norm kernels (:func:`layer_pair_graph`), in step: each
+    round overwrites :data:`STEP_FLUSH_BYTES` first (L2 evicted: the residual and both GEMMs'
+    weights come from memory, as in a model step), then runs the subgraph; ``n`` rounds in
+    one CUDA graph, profiled. The generated Triton kernels are the pair (the GEMMs are
+    cuBLAS's, the flush a fill): ``per_call_us`` is their time per round over the two norm
+    calls a round makes, the figure to set beside the model's per-call average; ``kernels``
+    each one's µs per round. ``graphs`` caches the compiled subgraph per (op, signature,
+    copy): it serves every token count."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    try:
+        key = (op, tuple(args[0].shape[1:]), args[0].dtype, copy)
+        cache = graphs if graphs is not None else {}
+        if key not in cache:
+            cache[key] = layer_pair_graph(op, args, copy=copy)[0]
+        compiled = cache[key]
+        ins = pair_inputs(args)     # at the call's token count: the graph is dynamic in it
+        flush = torch.empty(STEP_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+
+        def rounds(k):
+            for i in range(k):
+                flush.fill_(i % 127)
+                compiled(*ins)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            rounds(2)
+        torch.cuda.current_stream().wait_stream(stream)
+        captured = True
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                rounds(n)
+            run = graph.replay
+        except Exception:
+            captured = False
+
+            def run():
+                rounds(n)
+        run()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+            run()
+            torch.cuda.synchronize()
+    except Exception as e:      # a row, not the end
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    own = {k: v for k, v in per_call(kernels_of(p), n).items() if k.startswith("triton_")}
+    total = sum(v[1] for v in own.values())
+    return {"kernels": own, "per_call_us": round(total / 2, 3), "copy": copy,
+            "captured": captured, "rounds": n}
+
+
+def pair_inputs(args, tokens: int | None = None) -> list:
+    """The inputs of :func:`layer_pair_graph`'s subgraph for a call ``args`` of the op, at
+    its token count or ``tokens``: o_proj's source and weight, the residual, the MLP
+    stand-in's weight, the two norms' weights (the call's), the boundary buffer. Values
+    activation-sized (weights scaled by 1/sqrt(hidden)), drawn from a fixed seed."""
+    import torch
+
+    x, _res, weight, _eps = args
+    hidden = x.shape[1]
+    tokens = tokens or x.shape[0]
+    gen = torch.Generator(device=x.device).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=x.device) * scale).to(x.dtype)
+    return [rnd(tokens, hidden), rnd(hidden, hidden, scale=hidden ** -0.5),
+            rnd(tokens, hidden, scale=2.0), rnd(hidden, hidden, scale=hidden ** -0.5),
+            weight.clone(), weight.clone(),
+            torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)]
+
+
 def gdn_state_bytes(items) -> int:
     """Bytes of one sequence's gated-delta-net recurrent state (fp32, per value head
     head_k x head_v) from a workload's GDN items, 0 when the model has none: what the GDN
@@ -419,6 +557,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     discover(reg)
     work = derive(profile)
     gdn_state = gdn_state_bytes(work.items)     # per sequence; 0 without GDN layers
+    pairs: dict = {}        # layer-pair subgraphs, one compile per signature
     seen, rows = set(), []
     for item in work.items:
         if item.op not in OPS or (item.op, item.dims) in seen:
@@ -502,6 +641,13 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                                     calls[iid], own_args[iid], item.op,
                                     set(row["kernels"][iid]), step=True,
                                     layer={"early": [1], "between_bytes": gdn_state * tokens})
+                            # a fused-add norm as the layer's pair of kernels Inductor makes
+                            # of it in the model, with and without the boundary copy it fuses
+                            if item.op in PAIRED_OPS:
+                                row["kernels_layer_pair"] = {
+                                    "copy": layer_pair(item.op, own_args[iid], graphs=pairs),
+                                    "no_copy": layer_pair(item.op, own_args[iid], copy=False,
+                                                          graphs=pairs)}
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
@@ -592,6 +738,9 @@ def attribute(doc: dict) -> list:
         step = (row.get("kernels_in_step") or {}).get("native.vllm") or {}
         kern_step = kernel_us(step)
         kern_layer = kernel_us((row.get("kernels_in_layer") or {}).get("native.vllm"))
+        pair = row.get("kernels_layer_pair") or {}
+        kern_pair = (pair.get("copy") or {}).get("per_call_us")
+        kern_pair_nc = (pair.get("no_copy") or {}).get("per_call_us")
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
@@ -601,6 +750,8 @@ def attribute(doc: dict) -> list:
                  "native_kernel_in_step_us": kern_step,
                  "in_step_captured": step.get("captured"),
                  "native_kernel_in_layer_us": kern_layer,
+                 "native_layer_pair_us": kern_pair,
+                 "native_layer_pair_no_copy_us": kern_pair_nc,
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
                  "stem_shared_by": len(sharers)}
@@ -629,6 +780,10 @@ def attribute(doc: dict) -> list:
                 entry["in_step_vs_model"] = round(kern_step / per_call, 3)
             if kern_layer:
                 entry["in_layer_vs_model"] = round(kern_layer / per_call, 3)
+            if kern_pair:
+                entry["layer_pair_vs_model"] = round(kern_pair / per_call, 3)
+            if kern_pair_nc:
+                entry["layer_pair_no_copy_vs_model"] = round(kern_pair_nc / per_call, 3)
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -710,8 +865,9 @@ def print_table(table: list) -> None:
     which adds the launch gap between replayed kernels, about the same for every candidate)."""
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
           "| params cold µs | ratio | in context µs | ratio | in step µs | ratio "
-          "| in layer µs | ratio | native.vllm race µs | ratio | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| in layer µs | ratio | layer pair µs | ratio | pair w/o copy µs | ratio "
+          "| native.vllm race µs | ratio | inductor.standalone race µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
@@ -719,6 +875,9 @@ def print_table(table: list) -> None:
               f"{e.get('native_kernel_in_context_us')} | {e.get('in_context_vs_model', '-')} | "
               f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
               f"{e.get('native_kernel_in_layer_us')} | {e.get('in_layer_vs_model', '-')} | "
+              f"{e.get('native_layer_pair_us')} | {e.get('layer_pair_vs_model', '-')} | "
+              f"{e.get('native_layer_pair_no_copy_us')} | "
+              f"{e.get('layer_pair_no_copy_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

@@ -241,3 +241,51 @@ def test_producers_refuse_a_position_the_op_does_not_have():
                                            torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="no position 1"):
         nim.producers(args, "silu_and_mul", k=8, weight_bytes=1 << 12, only=[1])
+
+
+def _pair_eager(op, ins, eps):
+    """The layer pair computed op by op, eagerly, with fltune's functional reference."""
+    from fltune.ops import OPS
+
+    f = OPS[op].functional or OPS[op].reference
+    src, w_o, residual, w_mid, w1, w2, _ = ins
+    o = src @ w_o
+    h1, r1 = f(o.clone(), residual.clone(), w1, eps)
+    h2, r2 = f(h1 @ w_mid, r1, w2, eps)
+    return o, h2, r2
+
+
+def test_the_layer_pair_subgraph_computes_two_norms_and_the_boundary_copy():
+    """The subgraph that stands for a decoder layer's two fused-add norms (o_proj, norm,
+    GEMM, norm, boundary copy), compiled the way native.vllm compiles, computes what the two
+    norms compute one after the other and copies o_proj's output into the boundary buffer;
+    traced at one token count, it serves another (only the token dimension is dynamic)."""
+    import torch
+
+    op = "gemma_fused_add_rms_norm"
+    gen = torch.Generator().manual_seed(3)
+    args = [torch.randn(5, 64, generator=gen), torch.randn(5, 64, generator=gen),
+            torch.randn(64, generator=gen) * 0.1, 1e-6]
+    run, ins = nim.layer_pair_graph(op, args, copy=True, trace_tokens=16)
+    assert ins[0].shape == (5, 64) and ins[2].shape == (5, 64)
+    h2, r2 = run(*ins)
+    o, want_h2, want_r2 = _pair_eager(op, ins, 1e-6)
+    torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r2, want_r2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ins[6], o, rtol=1e-5, atol=1e-5)
+    # another token count through the same graph, no boundary copy asked: buffer untouched
+    run2, ins2 = nim.layer_pair_graph(op, args, copy=False, trace_tokens=16)
+    ins2 = nim.pair_inputs(args, tokens=9)
+    h2, r2 = run2(*ins2)
+    _, want_h2, want_r2 = _pair_eager(op, ins2, 1e-6)
+    torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r2, want_r2, rtol=1e-4, atol=1e-4)
+    assert not ins2[6].any()
+
+
+def test_only_fused_add_norms_have_a_layer_pair():
+    import pytest
+    import torch
+
+    with pytest.raises(ValueError, match="not a fused-add norm"):
+        nim.layer_pair_graph("rms_norm", [torch.zeros(2, 8), None, torch.zeros(8), 1e-6])
