@@ -289,3 +289,26 @@ def test_only_fused_add_norms_have_a_layer_pair():
 
     with pytest.raises(ValueError, match="not a fused-add norm"):
         nim.layer_pair_graph("rms_norm", [torch.zeros(2, 8), None, torch.zeros(8), 1e-6])
+
+
+def test_each_op_is_judged_in_the_context_its_model_gives_it():
+    """The fused-add norms by the layer pair, the gated norm by the in-layer profile where
+    it has one and in step where not, everything else in step; GEMMs and points without an
+    in-model figure are not counted; a point outside 15 % is named with its context."""
+    table = [
+        {"op": "gemma_fused_add_rms_norm", "scenario": "prefill_8192",
+         "in_step_vs_model": 0.83, "layer_pair_vs_model": 1.03},
+        {"op": "rms_norm_gated", "scenario": "decode_b16", "in_step_vs_model": 1.25,
+         "in_layer_vs_model": 0.95},
+        {"op": "rms_norm_gated", "scenario": "prefill_2048", "in_step_vs_model": 0.90},
+        {"op": "rotary_embedding", "scenario": "prefill_2048", "in_step_vs_model": 1.42,
+         "layer_pair_vs_model": 1.0},
+        {"op": "silu_and_mul", "scenario": "decode_b1"},
+        {"op": "linear", "scenario": "decode_b1", "in_step_vs_model": 2.0},
+    ]
+    assert nim.in_model_context(table[0]) == ("layer_pair", 1.03)
+    assert nim.in_model_context(table[2]) == ("in_step", 0.90)
+    w = nim.within(table)
+    assert (w["within"], w["points"]) == (3, 4)
+    assert w["outside"] == [{"op": "rotary_embedding", "scenario": "prefill_2048",
+                             "context": "in_step", "ratio": 1.42}]
