@@ -406,6 +406,93 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
             "captured": captured, "rounds": n}
 
 
+#: Inductor settings under which ``aten.cat`` of two inputs lowers to a ``ConcatKernel``
+#: (each input computed into its slice of the output) instead of a pointwise cat (every
+#: output element evaluates both inputs under masks): :func:`rope_concat_graph`
+CONCAT_LOWERING = {"max_pointwise_cat_inputs": 1, "max_complex_pointwise_cat_inputs": 1}
+
+
+def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
+    """vLLM's native rope (``op``'s native.vllm function, out of place as the race times it)
+    compiled as :mod:`fltune.backends.native_vllm` does, except that ``torch.cat`` lowers to a
+    ``ConcatKernel`` (:data:`CONCAT_LOWERING`). Returns ``run(*args)``.
+
+    Why: session 22 read both sides' generated code for Qwen3-0.6B at prefill, where the
+    candidate's rope reads 1.4x the model's kernel in 2 of 3 compiles of the model. The model's
+    kernel (q/k norm application + rope, one combo kernel for q and k) computes a rotated
+    pair per thread and stores both halves (``x0 = xindex % 64``; ``out_ptr0``, ``out_ptr1``):
+    Inductor's ``ConcatKernel`` lowering of the rope's ``cat((o1, o2))``. The candidate's
+    computes one element per thread with both halves' loads under masks (``x0 = xindex %
+    128``): the pointwise cat, twice the threads and their index math. Inductor (torch 2.11)
+    takes the pointwise cat unless a cat input reaches back to a reduction it would
+    recompute, and in the model the q/k norm's reduction is upstream of the rope; alone, the
+    rope has none. So the hypothesis: the lowering, set by a neighbour, not the launch
+    configuration. If this graph reads the model's time, a rope candidate for models with a
+    q/k norm before the rope (Qwen3, Qwen3.5) should compile with this lowering."""
+    import torch
+    from fltune.backends import native_vllm as nv
+
+    fn, _ = nv.sources()[op]
+    dims = nv._TOKEN_DIMS[op]
+    tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+
+    def rope(*tensors):
+        full = [None] * len(args)
+        for i, t in zip(tensor_idx, tensors):
+            full[i] = t
+        for i, c in consts.items():
+            full[i] = c
+        return fn(*full)
+
+    nv.COMPILES[0] += 1
+    graph_fn = nv._unique(rope, f"native_vllm_{op}_concat_{nv.COMPILES[0]}")
+    device = args[tensor_idx[0]].device
+    opts, patches = nv.compile_settings(device.type)
+    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
+                             options={**opts, "guard_filter_fn": nv._skip_guards()})
+    n_trace = trace_tokens or nv.trace_tokens(device.type)
+    first = [nv._with_tokens(a, dims[i], n_trace) if i in dims else a
+             for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for i, t in zip(tensor_idx, first):
+        if i in dims:
+            torch._dynamo.mark_dynamic(t, dims[i])
+    lowering = {k: v for k, v in CONCAT_LOWERING.items() if hasattr(torch._inductor.config, k)}
+    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
+                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
+    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
+            torch._inductor.config.patch(**patches, **lowering):
+        compiled(*first)
+
+    def run(*call_args):
+        return compiled(*[call_args[i] for i in tensor_idx])
+    return run
+
+
+def rope_concat(op: str, args) -> dict:
+    """:func:`rope_concat_graph`'s kernels per call, back to back and in step
+    (:func:`in_context` with ``step``), beside the candidate's own row."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    try:
+        run = rope_concat_graph(op, args)
+        call = (lambda: run(*args))
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+    except Exception as e:      # a row, not the end
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    kernels = per_call(kernels_of(p), 10)
+    launches = per_call(kernels_of(p, launches=True), 10)
+    return {"kernels": kernels, "launches": launches,
+            "in_step": in_context(call, args, op, set(kernels), step=True)}
+
+
 def pair_inputs(args, tokens: int | None = None) -> list:
     """The inputs of :func:`layer_pair_graph`'s subgraph for a call ``args`` of the op, at
     its token count or ``tokens``: o_proj's source and weight, the residual, the MLP
@@ -643,6 +730,9 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                                     layer={"early": [1], "between_bytes": gdn_state * tokens})
                             # a fused-add norm as the layer's pair of kernels Inductor makes
                             # of it in the model, with and without the boundary copy it fuses
+                            # the rope with the cat lowering its model's q/k norm sets
+                            if item.op == "rotary_embedding":
+                                row["kernels_rope_concat"] = rope_concat(item.op, own_args[iid])
                             if item.op in PAIRED_OPS:
                                 row["kernels_layer_pair"] = {
                                     "copy": layer_pair(item.op, own_args[iid], graphs=pairs),
@@ -738,6 +828,8 @@ def attribute(doc: dict) -> list:
         step = (row.get("kernels_in_step") or {}).get("native.vllm") or {}
         kern_step = kernel_us(step)
         kern_layer = kernel_us((row.get("kernels_in_layer") or {}).get("native.vllm"))
+        concat = row.get("kernels_rope_concat") or {}
+        kern_concat = kernel_us(concat.get("in_step"))
         pair = row.get("kernels_layer_pair") or {}
         kern_pair = (pair.get("copy") or {}).get("per_call_us")
         kern_pair_nc = (pair.get("no_copy") or {}).get("per_call_us")
@@ -780,6 +872,9 @@ def attribute(doc: dict) -> list:
                 entry["in_step_vs_model"] = round(kern_step / per_call, 3)
             if kern_layer:
                 entry["in_layer_vs_model"] = round(kern_layer / per_call, 3)
+            if kern_concat:
+                entry["rope_concat_in_step_us"] = kern_concat
+                entry["rope_concat_vs_model"] = round(kern_concat / per_call, 3)
             if kern_pair:
                 entry["layer_pair_vs_model"] = round(kern_pair / per_call, 3)
             if kern_pair_nc:
@@ -927,6 +1022,19 @@ def print_table(table: list) -> None:
               f"{e['standalone_race_us']} |")
 
 
+def print_rope_concat(table: list) -> None:
+    """The rope with the ConcatKernel lowering (:func:`rope_concat_graph`), where measured."""
+    rows = [e for e in table if e.get("rope_concat_vs_model") is not None]
+    if rows:
+        print("| op | scenario | in-model µs/call | native.vllm in step | ratio "
+              "| ConcatKernel lowering in step | ratio |")
+        print("|---|---|---|---|---|---|---|")
+    for e in rows:
+        print(f"| {e['op']} | {e['scenario']} | {e.get('in_model_us')} | "
+              f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
+              f"{e['rope_concat_in_step_us']} | {e['rope_concat_vs_model']} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default="Qwen3.5-0.8B")
@@ -955,6 +1063,7 @@ def main():
             doc["kernel_origins"] = code_origins(a.code)
         doc["table"] = attribute(doc)
         print_table(doc["table"])
+        print_rope_concat(doc["table"])
         doc["within_15"] = within(doc["table"])
         print("in the model's context, within 15 %:", json.dumps(doc["within_15"]))
         doc["in_context_ranking"] = in_context_ranking(doc)
@@ -988,6 +1097,7 @@ def main():
         doc["in_model"] = in_model(a.profile, scenarios, {})
         doc["table"] = attribute(doc)
         print_table(doc["table"])
+        print_rope_concat(doc["table"])
         doc["within_15"] = within(doc["table"])
         print("in the model's context, within 15 %:", json.dumps(doc["within_15"]))
     json.dump(doc, open(path, "w"), indent=1)

@@ -312,3 +312,26 @@ def test_each_op_is_judged_in_the_context_its_model_gives_it():
     assert (w["within"], w["points"]) == (3, 4)
     assert w["outside"] == [{"op": "rotary_embedding", "scenario": "prefill_2048",
                              "context": "in_step", "ratio": 1.42}]
+
+
+def test_the_rope_with_the_concat_lowering_computes_what_the_candidate_computes():
+    """The rope compiled with the ConcatKernel lowering (the hypothesis for its prefill gap
+    on Qwen3-0.6B) returns the rotated (query, key) of native.vllm's out-of-place path, at a
+    token count other than the one it was traced at."""
+    import torch
+    from fltune.backends import native_vllm as nv
+    from fltune.ops import OPS, workload_dims
+
+    op = "rotary_embedding"
+    dims = dict(heads=4, kv_heads=2, head_size=32, rotary_dim=32, max_position=64,
+                base=10000.0, is_neox=True)
+    gen = torch.Generator().manual_seed(1)
+    with workload_dims(dims):
+        args = OPS[op].make_inputs(7, dims, torch.float32, "cpu", gen)
+        run = nim.rope_concat_graph(op, args, trace_tokens=16)
+        q, k = run(*args)
+        want_q, want_k = nv._make_timed(op)(*[a.clone() if isinstance(a, torch.Tensor) else a
+                                              for a in args])
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(q, args[1].view_as(q))     # it rotated something
