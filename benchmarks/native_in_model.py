@@ -428,7 +428,13 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     recompute, and in the model the q/k norm's reduction is upstream of the rope; alone, the
     rope has none. So the hypothesis: the lowering, set by a neighbour, not the launch
     configuration. If this graph reads the model's time, a rope candidate for models with a
-    q/k norm before the rope (Qwen3, Qwen3.5) should compile with this lowering."""
+    q/k norm before the rope (Qwen3, Qwen3.5) should compile with this lowering.
+
+    Session 22's H200 run (torch 2.11): these settings did not change the generated kernel
+    (still ``x0 = xindex % 128`` under masks, the same launch, 1.43x / 1.46x the model at
+    2048 / 8192 tokens), so the hypothesis is neither confirmed nor refuted: the cat reaches
+    Inductor's lowering some other way here (a decomposition or an FX pass first). The next
+    test compiles the q/k norm and the rope together, as the model's graph has them."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -487,8 +493,11 @@ def rope_concat(op: str, args) -> dict:
             torch.cuda.synchronize()
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
-    kernels = per_call(kernels_of(p), 10)
-    launches = per_call(kernels_of(p, launches=True), 10)
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
+
+    tr = chrome_trace(p)        # once: a profile's trace can be exported only once
+    kernels = per_call(kernels_of(tr), 10)
+    launches = per_call(kernels_of(tr, launches=True), 10)
     return {"kernels": kernels, "launches": launches,
             "in_step": in_context(call, args, op, set(kernels), step=True)}
 
