@@ -687,3 +687,40 @@ def test_tiny_model_served_with_rms_norm_routed_only_at_decode(tmp_path):
     # step; routed everywhere, 8 steps x 5 = 40 calls) reach fltune only in the 7 decode
     # steps; the one prefill step (34 tokens) is the native range
     assert n == 35 and off["counters"] == {}
+
+
+def test_a_run_the_time_limit_cut_below_three_repetitions_says_so_and_the_way_out(
+        cal_db, tmp_path, monkeypatch):
+    """When the limit ends the adjudication after fewer repetitions than a decision needs,
+    every range reads "too few repetitions"; a warning names the cause (the limit and the
+    confirmation's share of it) and the way out. A run the limit did not cut below three
+    warns nothing."""
+    import shutil
+
+    from fltune.evaluate import model_step
+
+    monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", "530")
+    for done, warned in ((2, True), (3, False)):
+        db = tmp_path / f"cut{done}.db"
+        shutil.copy(cal_db, db)
+        rec = _measure({**VERDICTS, "served:rms_norm": VERDICTS["only:rms_norm"]}, [])
+
+        def measure(model, arms, scenarios, **kw):
+            out = rec(model, arms, scenarios, **kw)
+            for p in out.points:
+                p["n"] = done
+            out.host = {"time_limit": {"limit_s": kw.get("time_limit_s"), "reps_asked": 5,
+                                       "reps_done": done}}
+            return out
+
+        doc = model_step.adjudicate(str(db), str(FIXTURE), scenarios=_scenarios(), reps=5,
+                                    warmup=1, command="test", per_range=(512,),
+                                    confirm=True, measure=measure)
+        cut = [w for w in doc["warnings"] if "ended the measurement" in w]
+        if warned:
+            assert len(cut) == 1 and "after 2 of 5" in cut[0] and "318 s" in cut[0]
+            assert "60 % of FLTUNE_E2E_TIME_LIMIT's 530 s" in cut[0]
+            assert "FLTUNE_E2E_TIME_LIMIT" in cut[0] and "fewer" in cut[0]
+            assert all(d["decision"] == "native" for d in doc["decisions"])
+        else:
+            assert cut == []

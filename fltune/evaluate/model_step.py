@@ -318,6 +318,26 @@ def kernel_floors(aa_points: list) -> dict:
 MIN_REPS, MIN_KERNEL_ROUNDS = 3, 2
 
 
+def time_limit_cut(result, what: str, share: str = "") -> list:
+    """A warning when the instrument's time limit ended a run below :data:`MIN_REPS`
+    repetitions (``host["time_limit"]``), naming the way out; [] otherwise.
+
+    Why: the decision table then reads "too few repetitions to decide" for every op or
+    range, which names neither the cause nor the remedy. On the H200 (session 22) a per-range
+    adjudication of Qwen3-0.6B's ``linear`` with a cold-timed DB got 2 repetitions in its
+    60 % of a 530 s limit (the routed arm's engine took 152 s to start: more bands'
+    max-autotune templates) and decided nothing, with 270 s of the call unused."""
+    tl = (getattr(result, "host", None) or {}).get("time_limit") or {}
+    done, asked, limit = tl.get("reps_done"), tl.get("reps_asked"), tl.get("limit_s")
+    if done is None or done >= MIN_REPS:
+        return []
+    limit_txt = f"{float(limit):.0f} s" if isinstance(limit, (int, float)) else "its limit"
+    return [f"{what}: the time limit ({limit_txt}{share}) ended the measurement after {done} "
+            f"of {asked} repetitions, under the {MIN_REPS} a decision needs, so nothing was "
+            f"decided by it: give the run more time (FLTUNE_E2E_TIME_LIMIT), or fewer "
+            f"scenarios or ops per run (each arm's engine start counts against the limit)"]
+
+
 def decide(points: list, floors: Optional[dict] = None) -> tuple:
     """(decision, reason) of one op from its arm's e2e points (see the module docstring).
     Points with fewer than :data:`MIN_REPS` repetitions decide nothing (native, "too few");
@@ -493,6 +513,10 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
             if name.startswith("only:") and name[len("only:"):] in points:
                 points[name[len("only:"):]].append(p)
         key = _reported_key(result) or key
+        warnings = list(warnings) + time_limit_cut(
+            result, "the adjudication",
+            f", 60 % of FLTUNE_E2E_TIME_LIMIT's {limit:.0f} s: the rest is kept for the "
+            f"as-served confirmation" if shared else "")
     scen = [_scenario_json(s) for s in scenarios]
     stack_key = devmod.stack_key(devmod.stack())
     rows = []
@@ -669,7 +693,8 @@ def confirm_split(db_path: str, model: str, rows: list, scenarios: list, floors,
                      progress=progress, **({"time_limit_s": time_limit_s}
                                            if time_limit_s is not None else {}))
     got = getattr(result, "points", result) or []
-    doc, warns = {"ops": ops_, "reps": getattr(result, "reps", reps), "results": {}}, []
+    doc, warns = ({"ops": ops_, "reps": getattr(result, "reps", reps), "results": {}},
+                  time_limit_cut(result, "the as-served confirmation"))
     for op in ops_:
         pts = [p for p in got if p.get("arm") == served_arm_name(op)]
         doc["results"][op] = served_verdict(pts, floors)
