@@ -434,7 +434,8 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     (still ``x0 = xindex % 128`` under masks, the same launch, 1.43x / 1.46x the model at
     2048 / 8192 tokens), so the hypothesis is neither confirmed nor refuted: the cat reaches
     Inductor's lowering some other way here (a decomposition or an FX pass first). The next
-    test compiles the q/k norm and the rope together, as the model's graph has them."""
+    test compiles the q/k norm and the rope together, as the model's graph has them
+    (:func:`qk_norm_rope_graph`)."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -500,6 +501,93 @@ def rope_concat(op: str, args) -> dict:
     launches = per_call(kernels_of(tr, launches=True), 10)
     return {"kernels": kernels, "launches": launches,
             "in_step": in_context(call, args, op, set(kernels), step=True)}
+
+
+def qk_norm_rope_graph(args, eps: float = 1e-6, trace_tokens: int | None = None):
+    """The attention block's q/k norm and rope as vLLM's Qwen3 attention runs them, compiled
+    as :mod:`fltune.backends.native_vllm` compiles (vLLM's Inductor options, only the token
+    dimension dynamic, traced at 8192): split the qkv GEMM's output, RMSNorm per head of q
+    and of k (vLLM's native ``RMSNorm``), then the rope (vLLM's ``forward_static``), out of
+    place. ``args``: a ``rotary_embedding`` call (positions, query, key, head_size, cos/sin
+    cache, is_neox) for the sizes. Returns ``(run, inputs)``: ``run(*inputs)`` returns the
+    rotated (q, k).
+
+    Why: the model's rope kernel at prefill is the q/k norm's application and the rope in one
+    combo kernel that rotates a pair per thread (the ``ConcatKernel`` lowering of the rope's
+    cat), while the rope compiled alone evaluates both halves per element under masks and
+    reads 1.4x the model's time (sessions 19 and 22). Inductor picks the pointwise cat unless
+    a cat input reaches back to a reduction: here the norm's is upstream, as in the model. If
+    this graph's rope kernel is the model's, the rope's stand-in needs its norm neighbour
+    (``rope_concat_graph``'s config route did not change the kernel on torch 2.11)."""
+    import torch
+    from fltune.backends import native_vllm as nv
+
+    positions, query, key, head_size, cos_sin, is_neox = args
+    rope, _ = nv.sources()["rotary_embedding"]
+    norm, _ = nv.sources()["rms_norm"]
+    q_size, kv_size = query.shape[-1], key.shape[-1]
+
+    def qk_rope(qkv, pos, q_w, k_w, cache):
+        q, k, _v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = norm(q.view(q.shape[0], q_size // head_size, head_size), q_w, eps).view(q.shape)
+        k = norm(k.view(k.shape[0], kv_size // head_size, head_size), k_w, eps).view(k.shape)
+        return rope(pos, q, k, head_size, cache, is_neox)
+
+    dev = query.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def inputs(n):
+        return [torch.randn(n, q_size + 2 * kv_size, generator=gen, device=dev).to(query.dtype),
+                torch.randint(0, cos_sin.shape[0], (n,), generator=gen, device=dev),
+                torch.rand(head_size, generator=gen, device=dev).to(query.dtype) + 0.5,
+                torch.rand(head_size, generator=gen, device=dev).to(query.dtype) + 0.5,
+                cos_sin]
+
+    nv.COMPILES[0] += 1
+    graph_fn = nv._unique(qk_rope, f"native_vllm_qk_norm_rope_{nv.COMPILES[0]}")
+    opts, patches = nv.compile_settings(dev.type)
+    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
+                             options={**opts, "guard_filter_fn": nv._skip_guards()})
+    first = inputs(trace_tokens or nv.trace_tokens(dev.type))
+    for i in (0, 1):                         # qkv, positions: the token dims
+        torch._dynamo.mark_dynamic(first[i], 0)
+    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
+                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
+    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
+            torch._inductor.config.patch(**patches):
+        compiled(*first)
+    return compiled, inputs(positions.shape[-1])
+
+
+def qk_norm_rope(args) -> dict:
+    """:func:`qk_norm_rope_graph`'s kernels per call, back to back and in step: ``rope_us``
+    is its pointwise kernels' time (the rope, with the norm's application fused in, as the
+    model's rope kernel), ``kernels`` every kernel with its launch shape."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
+
+    try:
+        run, ins = qk_norm_rope_graph(args)
+        call = (lambda: run(*ins))
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(10):
+                call()
+            torch.cuda.synchronize()
+        tr = chrome_trace(p)
+        kernels = per_call(kernels_of(tr), 10)
+        launches = per_call(kernels_of(tr, launches=True), 10)
+        # in step, after the qkv GEMM that writes its input (a norm's first input: qkv)
+        step = in_context(call, [ins[0]], "rms_norm", set(kernels), step=True)
+    except Exception as e:      # a row, not the end
+        return {"raised": f"{type(e).__name__}: {e}"[:300]}
+    pointwise = {k: v for k, v in (step if isinstance(step, dict) else {}).items()
+                 if isinstance(v, list) and k.startswith("triton_poi")}
+    return {"kernels": kernels, "launches": launches, "in_step": step,
+            "rope_us": round(sum(v[1] for v in pointwise.values()), 3) if pointwise else None}
 
 
 def pair_inputs(args, tokens: int | None = None) -> list:
@@ -742,6 +830,9 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                             # the rope with the cat lowering its model's q/k norm sets
                             if item.op == "rotary_embedding":
                                 row["kernels_rope_concat"] = rope_concat(item.op, own_args[iid])
+                                if any(it.op == "rms_norm" and "q_norm" in it.where
+                                       for it in work.items):
+                                    row["kernels_qk_norm_rope"] = qk_norm_rope(own_args[iid])
                             if item.op in PAIRED_OPS:
                                 row["kernels_layer_pair"] = {
                                     "copy": layer_pair(item.op, own_args[iid], graphs=pairs),
@@ -839,6 +930,7 @@ def attribute(doc: dict) -> list:
         kern_layer = kernel_us((row.get("kernels_in_layer") or {}).get("native.vllm"))
         concat = row.get("kernels_rope_concat") or {}
         kern_concat = kernel_us(concat.get("in_step"))
+        kern_qk_rope = (row.get("kernels_qk_norm_rope") or {}).get("rope_us")
         pair = row.get("kernels_layer_pair") or {}
         kern_pair = (pair.get("copy") or {}).get("per_call_us")
         kern_pair_nc = (pair.get("no_copy") or {}).get("per_call_us")
@@ -881,6 +973,9 @@ def attribute(doc: dict) -> list:
                 entry["in_step_vs_model"] = round(kern_step / per_call, 3)
             if kern_layer:
                 entry["in_layer_vs_model"] = round(kern_layer / per_call, 3)
+            if kern_qk_rope:
+                entry["qk_norm_rope_in_step_us"] = kern_qk_rope
+                entry["qk_norm_rope_vs_model"] = round(kern_qk_rope / per_call, 3)
             if kern_concat:
                 entry["rope_concat_in_step_us"] = kern_concat
                 entry["rope_concat_vs_model"] = round(kern_concat / per_call, 3)
@@ -1033,15 +1128,17 @@ def print_table(table: list) -> None:
 
 def print_rope_concat(table: list) -> None:
     """The rope with the ConcatKernel lowering (:func:`rope_concat_graph`), where measured."""
-    rows = [e for e in table if e.get("rope_concat_vs_model") is not None]
+    rows = [e for e in table if e.get("rope_concat_vs_model") is not None
+            or e.get("qk_norm_rope_vs_model") is not None]
     if rows:
         print("| op | scenario | in-model µs/call | native.vllm in step | ratio "
-              "| ConcatKernel lowering in step | ratio |")
-        print("|---|---|---|---|---|---|---|")
+              "| ConcatKernel lowering in step | ratio | after its q/k norm, in step | ratio |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for e in rows:
         print(f"| {e['op']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
-              f"{e['rope_concat_in_step_us']} | {e['rope_concat_vs_model']} |")
+              f"{e.get('rope_concat_in_step_us')} | {e.get('rope_concat_vs_model', '-')} | "
+              f"{e.get('qk_norm_rope_in_step_us')} | {e.get('qk_norm_rope_vs_model', '-')} |")
 
 
 def main():

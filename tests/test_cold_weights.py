@@ -313,3 +313,16 @@ def test_a_resumed_run_re_races_only_the_bands_a_timing_switch_changes(tmp_path,
     monkeypatch.undo()
     assert _calibrate_silu(db, 1024)[1]["measured"] == 0     # the CPU's own rule
     assert _calibrate_silu(db, 1024, "--cold-l2")[1]["measured"] == 0
+
+
+def test_a_hinted_re_calibration_of_a_ray_run_runs_over_ray_again():
+    """A run made with ``calibrate --ray`` (its settings name the actors) is repeated with
+    ``--ray`` on the same kind of device; a hint for another machine repeats the workload
+    only. A plain run gets no ``--ray``."""
+    from fltune.store.hints import calibrate_command
+    run = {"model": "Qwen3-0.6B", "settings": json.dumps({
+        "max_tokens": 512, "ray": {"actors": [{"node": "n1", "gpu": 0}]}})}
+    assert calibrate_command("x.db", run).endswith("--max-tokens 512 --ray")
+    assert "--ray" not in calibrate_command("x.db", run, same_device=False)
+    run = {"model": "Qwen3-0.6B", "settings": json.dumps({"max_tokens": 512})}
+    assert "--ray" not in calibrate_command("x.db", run)

@@ -335,3 +335,30 @@ def test_the_rope_with_the_concat_lowering_computes_what_the_candidate_computes(
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
     assert not torch.equal(q, args[1].view_as(q))     # it rotated something
+
+
+def test_the_q_k_norm_and_rope_subgraph_computes_the_attention_blocks_q_and_k():
+    """The attention block's q/k norm and rope compiled as one graph (the next test of the
+    rope's prefill gap) returns what the per-head norm and then the rope compute one after
+    the other, for a qkv buffer at a token count other than its trace's."""
+    import torch
+    from fltune.ops import OPS, workload_dims
+
+    dims = dict(heads=4, kv_heads=2, head_size=32, rotary_dim=32, max_position=64,
+                base=10000.0, is_neox=True)
+    gen = torch.Generator().manual_seed(2)
+    with workload_dims(dims):
+        args = OPS["rotary_embedding"].make_inputs(6, dims, torch.float32, "cpu", gen)
+        run, ins = nim.qk_norm_rope_graph(args, eps=1e-6, trace_tokens=16)
+        q, k = run(*ins)
+    qkv, pos, q_w, k_w, cache = ins
+    assert qkv.shape == (6, 32 * (4 + 2 + 2)) and pos.shape == (6,)
+    norm = OPS["rms_norm"].reference
+    q0, k0, _ = qkv.split([128, 64, 64], dim=-1)
+    qn = norm(q0.reshape(6, 4, 32).clone(), q_w, 1e-6).reshape(6, 128)
+    kn = norm(k0.reshape(6, 2, 32).clone(), k_w, 1e-6).reshape(6, 64)
+    want_q, want_k = qn.clone(), kn.clone()
+    OPS["rotary_embedding"].reference(pos, want_q, want_k, 32, cache, True)
+    torch.testing.assert_close(q, want_q, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(q, qn)      # it rotated

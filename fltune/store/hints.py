@@ -42,7 +42,8 @@ def _settings(run: dict) -> dict:
 def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool = True,
                       force: bool = False) -> str:
     """``fltune calibrate`` for ``db_path`` that repeats ``run`` (its model, dtype, tp, op
-    subset, cold timing switches and, for the same kind of device, its ``--max-tokens``), or names
+    subset, cold timing switches and, for the same kind of device, its ``--max-tokens`` and
+    ``--ray``), or names
     :data:`DEFAULT_MODEL` when there is no run to repeat."""
     parts = ["fltune", "calibrate", "--model", _q(run["model"] if run else DEFAULT_MODEL),
              "--db", _q(db_path)]
@@ -60,6 +61,11 @@ def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool 
         # cold-timed winners with hot-timed ones
         parts += [flag for key, flag in (("cold_l2", "--cold-l2"),
                                          ("cold_weights", "--cold-weights")) if st.get(key)]
+        # a run over a Ray cluster (its settings name the actors) is repeated over one: on
+        # the same kind of device only (a hint for another machine repeats the workload, not
+        # the fleet), with Ray's own address resolution (RAY_ADDRESS, else this host's)
+        if same_device and st.get("ray"):
+            parts.append("--ray")
     if force:
         parts.append("--force")
     return " ".join(parts)
