@@ -288,6 +288,37 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
 STEP_FLUSH_BYTES = 128 << 20
 
 
+def profile_rounds(rounds, n: int):
+    """``rounds(n)`` captured in one CUDA graph (two rounds of warm-up outside the capture),
+    replayed once, then profiled for one replay: (the profile, whether the capture held; if
+    not, eager launches with the host's gaps between them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):           # warm-up outside the capture
+        rounds(2)
+    torch.cuda.current_stream().wait_stream(stream)
+    captured = True
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            rounds(n)
+        run = graph.replay
+    except Exception:                         # a call that cannot be captured
+        captured = False
+
+        def run():
+            rounds(n)
+    run()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    return p, captured
+
+
 #: the fused-add norms: the ops a model layer calls twice with a subgraph between, whose
 #: pair Inductor compiles as two different kernels (:func:`layer_pair`)
 PAIRED_OPS = ("fused_add_rms_norm", "gemma_fused_add_rms_norm")
@@ -362,7 +393,6 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
     each one's µs per round. ``graphs`` caches the compiled subgraph per (op, signature,
     copy): it serves every token count."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
 
     try:
         key = (op, tuple(args[0].shape[1:]), args[0].dtype, copy)
@@ -377,27 +407,7 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
             for i in range(k):
                 flush.fill_(i % 127)
                 compiled(*ins)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            rounds(2)
-        torch.cuda.current_stream().wait_stream(stream)
-        captured = True
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                rounds(n)
-            run = graph.replay
-        except Exception:
-            captured = False
-
-            def run():
-                rounds(n)
-        run()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-            run()
-            torch.cuda.synchronize()
+        p, captured = profile_rounds(rounds, n)
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     own = {k: v for k, v in per_call(kernels_of(p), n).items() if k.startswith("triton_")}
@@ -586,8 +596,11 @@ def qk_norm_rope(args) -> dict:
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     pointwise = {k: v for k, v in (step if isinstance(step, dict) else {}).items()
                  if isinstance(v, list) and k.startswith("triton_poi")}
+    # (Inductor may also fuse the norm's reduction into the rope's kernel: then no pointwise
+    # kernel, and ``total_us`` is the figure to set beside the model's norm + rope kernels)
     return {"kernels": kernels, "launches": launches, "in_step": step,
-            "rope_us": round(sum(v[1] for v in pointwise.values()), 3) if pointwise else None}
+            "rope_us": round(sum(v[1] for v in pointwise.values()), 3) if pointwise else None,
+            "total_us": kernel_us(step) if isinstance(step, dict) else None}
 
 
 def pair_inputs(args, tokens: int | None = None) -> list:
@@ -664,7 +677,6 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
     MiB. The late producer's own weight copy and source pass through L2 too (a few MiB), as
     the model's GDN output projection inputs do; the profile records the footprint it used."""
     import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
 
     try:
         if layer is not None:
@@ -692,27 +704,7 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
                     state.add_(1.0)             # read and written in place, as GDN's state
                 producer(i)
                 call()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):           # warm-up outside the capture
-            rounds(2)
-        torch.cuda.current_stream().wait_stream(stream)
-        captured = True
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                rounds(n)
-            run = graph.replay
-        except Exception:                         # a call that cannot be captured
-            captured = False
-
-            def run():
-                rounds(n)
-        run()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-            run()
-            torch.cuda.synchronize()
+        p, captured = profile_rounds(rounds, n)
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
     out = per_call(kernels_of(p), n, names)
