@@ -324,6 +324,43 @@ def profile_rounds(rounds, n: int):
 PAIRED_OPS = ("fused_add_rms_norm", "gemma_fused_add_rms_norm")
 
 
+def compile_as_native(fn, name: str, first: list, token_dims: dict, extra_patches=None):
+    """``fn`` compiled the way :mod:`fltune.backends.native_vllm` compiles an op (vLLM's
+    Inductor options, guards skipped, vLLM IR ops inlined as their native implementation),
+    traced and first run on ``first`` (vLLM's ``max_num_batched_tokens`` worth of tokens,
+    where Inductor picks launch configurations) with only ``token_dims`` ({position in
+    ``first``: dim}) dynamic. ``extra_patches``: Inductor config on top (only keys this torch
+    has; :data:`CONCAT_LOWERING`). Returns the compiled callable."""
+    import torch
+    from fltune.backends import native_vllm as nv
+
+    nv.COMPILES[0] += 1
+    graph_fn = nv._unique(fn, f"{name}_{nv.COMPILES[0]}")
+    device = next(t for t in first if isinstance(t, torch.Tensor)).device
+    opts, patches = nv.compile_settings(device.type)
+    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
+                             options={**opts, "guard_filter_fn": nv._skip_guards()})
+    for i, d in token_dims.items():
+        torch._dynamo.mark_dynamic(first[i], d)
+    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
+                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
+    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
+            torch._inductor.config.patch(**patches, **(extra_patches or {})):
+        compiled(*first)
+    return compiled
+
+
+def native_function(op: str):
+    """The function ``native.vllm`` compiles for ``op``: vLLM's, or fltune's reference where
+    vLLM's did not trace on this torch (``native_vllm.FELL_BACK``), as the candidate does."""
+    from fltune.backends import native_vllm as nv
+    from fltune.ops import OPS
+
+    if op in nv.FELL_BACK:
+        return OPS[op].functional or OPS[op].reference
+    return nv.sources()[op][0]
+
+
 def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None = None):
     """vLLM's native ``op`` (a fused-add norm) twice, as one piecewise subgraph of a decoder
     layer holds it, compiled the way :mod:`fltune.backends.native_vllm` compiles the op
@@ -352,7 +389,7 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
 
     if op not in PAIRED_OPS:
         raise ValueError(f"{op} is not a fused-add norm: no layer pair ({PAIRED_OPS})")
-    fn, _ = nv.sources()[op]
+    fn = native_function(op)
     x, _res, _weight, eps = args
     dev = x.device
     eps = float(eps)
@@ -366,20 +403,9 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
             boundary.copy_(o)
         return h2, r2
 
-    nv.COMPILES[0] += 1
-    graph_fn = nv._unique(pair, f"native_vllm_{op}_layer_pair_{nv.COMPILES[0]}")
-    opts, patches = nv.compile_settings(dev.type)
-    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
-                             options={**opts, "guard_filter_fn": nv._skip_guards()})
-    n_trace = trace_tokens or nv.trace_tokens(dev.type)
-    first = pair_inputs(args, n_trace)
-    for i in (0, 2, 6):                     # src, residual, boundary: the token dims
-        torch._dynamo.mark_dynamic(first[i], 0)
-    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
-                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
-    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-            torch._inductor.config.patch(**patches):
-        compiled(*first)
+    first = pair_inputs(args, trace_tokens or nv.trace_tokens(dev.type))
+    # src, residual, boundary: the token dims
+    compiled = compile_as_native(pair, f"native_vllm_{op}_layer_pair", first, {0: 0, 2: 0, 6: 0})
     return compiled, pair_inputs(args)
 
 
@@ -418,8 +444,25 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
 
 #: Inductor settings under which ``aten.cat`` of two inputs lowers to a ``ConcatKernel``
 #: (each input computed into its slice of the output) instead of a pointwise cat (every
-#: output element evaluates both inputs under masks): :func:`rope_concat_graph`
+#: output element evaluates both inputs under masks): :func:`rope_concat_graph`. Both are
+#: needed: ``max_complex_pointwise_cat_inputs`` arrived in torch 2.12; before it the
+#: threshold for complex inputs was a constant 8 inside ``lowering.cat`` (session 22's
+#: review), so on torch 2.11 no setting reaches a two-input cat.
 CONCAT_LOWERING = {"max_pointwise_cat_inputs": 1, "max_complex_pointwise_cat_inputs": 1}
+
+
+def concat_lowering() -> dict:
+    """:data:`CONCAT_LOWERING` when this torch has every key of it, else raise: a subset
+    leaves the two-input cat pointwise and would measure the candidate again under another
+    name (session 22's H200 run, torch 2.11, did exactly that)."""
+    import torch
+
+    missing = [k for k in CONCAT_LOWERING if not hasattr(torch._inductor.config, k)]
+    if missing:
+        raise RuntimeError(f"torch {torch.__version__} has no Inductor setting "
+                           f"{', '.join(missing)}: a two-input cat cannot be forced to a "
+                           f"ConcatKernel here (use qk_norm_rope_graph)")
+    return dict(CONCAT_LOWERING)
 
 
 def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
@@ -440,16 +483,16 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     configuration. If this graph reads the model's time, a rope candidate for models with a
     q/k norm before the rope (Qwen3, Qwen3.5) should compile with this lowering.
 
-    Session 22's H200 run (torch 2.11): these settings did not change the generated kernel
-    (still ``x0 = xindex % 128`` under masks, the same launch, 1.43x / 1.46x the model at
-    2048 / 8192 tokens), so the hypothesis is neither confirmed nor refuted: the cat reaches
-    Inductor's lowering some other way here (a decomposition or an FX pass first). The next
-    test compiles the q/k norm and the rope together, as the model's graph has them
-    (:func:`qk_norm_rope_graph`)."""
+    Session 22's H200 run (torch 2.11) compiled the same kernel as the candidate's (``x0 =
+    xindex % 128`` under masks, 1.43x / 1.46x the model at 2048 / 8192 tokens): that torch
+    lacks ``max_complex_pointwise_cat_inputs`` and the run applied ``max_pointwise_cat_inputs``
+    alone, which does not reach a two-input cat (:data:`CONCAT_LOWERING`). So the hypothesis
+    was not tested; :func:`concat_lowering` now refuses such a torch, and
+    :func:`qk_norm_rope_graph` tests it with the model's own neighbour instead."""
     import torch
     from fltune.backends import native_vllm as nv
 
-    fn, _ = nv.sources()[op]
+    fn = native_function(op)
     dims = nv._TOKEN_DIMS[op]
     tensor_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
@@ -462,24 +505,12 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
             full[i] = c
         return fn(*full)
 
-    nv.COMPILES[0] += 1
-    graph_fn = nv._unique(rope, f"native_vllm_{op}_concat_{nv.COMPILES[0]}")
-    device = args[tensor_idx[0]].device
-    opts, patches = nv.compile_settings(device.type)
-    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
-                             options={**opts, "guard_filter_fn": nv._skip_guards()})
-    n_trace = trace_tokens or nv.trace_tokens(device.type)
+    n_trace = trace_tokens or nv.trace_tokens(args[tensor_idx[0]].device.type)
     first = [nv._with_tokens(a, dims[i], n_trace) if i in dims else a
              for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    for i, t in zip(tensor_idx, first):
-        if i in dims:
-            torch._dynamo.mark_dynamic(t, dims[i])
-    lowering = {k: v for k, v in CONCAT_LOWERING.items() if hasattr(torch._inductor.config, k)}
-    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
-                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
-    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-            torch._inductor.config.patch(**patches, **lowering):
-        compiled(*first)
+    compiled = compile_as_native(rope, f"native_vllm_{op}_concat", first,
+                                 {j: dims[i] for j, i in enumerate(tensor_idx) if i in dims},
+                                 concat_lowering())
 
     def run(*call_args):
         return compiled(*[call_args[i] for i in tensor_idx])
@@ -533,8 +564,7 @@ def qk_norm_rope_graph(args, eps: float = 1e-6, trace_tokens: int | None = None)
     from fltune.backends import native_vllm as nv
 
     positions, query, key, head_size, cos_sin, is_neox = args
-    rope, _ = nv.sources()["rotary_embedding"]
-    norm, _ = nv.sources()["rms_norm"]
+    rope, norm = native_function("rotary_embedding"), native_function("rms_norm")
     q_size, kv_size = query.shape[-1], key.shape[-1]
 
     def qk_rope(qkv, pos, q_w, k_w, cache):
@@ -553,19 +583,9 @@ def qk_norm_rope_graph(args, eps: float = 1e-6, trace_tokens: int | None = None)
                 torch.rand(head_size, generator=gen, device=dev).to(query.dtype) + 0.5,
                 cos_sin]
 
-    nv.COMPILES[0] += 1
-    graph_fn = nv._unique(qk_rope, f"native_vllm_qk_norm_rope_{nv.COMPILES[0]}")
-    opts, patches = nv.compile_settings(dev.type)
-    compiled = torch.compile(graph_fn, fullgraph=True, dynamic=False, backend="inductor",
-                             options={**opts, "guard_filter_fn": nv._skip_guards()})
     first = inputs(trace_tokens or nv.trace_tokens(dev.type))
-    for i in (0, 1):                         # qkv, positions: the token dims
-        torch._dynamo.mark_dynamic(first[i], 0)
-    dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
-                 if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
-    with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-            torch._inductor.config.patch(**patches):
-        compiled(*first)
+    # qkv, positions: the token dims
+    compiled = compile_as_native(qk_rope, "native_vllm_qk_norm_rope", first, {0: 0, 1: 0})
     return compiled, inputs(positions.shape[-1])
 
 
@@ -817,14 +837,14 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
                                     calls[iid], own_args[iid], item.op,
                                     set(row["kernels"][iid]), step=True,
                                     layer={"early": [1], "between_bytes": gdn_state * tokens})
-                            # a fused-add norm as the layer's pair of kernels Inductor makes
-                            # of it in the model, with and without the boundary copy it fuses
                             # the rope with the cat lowering its model's q/k norm sets
                             if item.op == "rotary_embedding":
                                 row["kernels_rope_concat"] = rope_concat(item.op, own_args[iid])
                                 if any(it.op == "rms_norm" and "q_norm" in it.where
                                        for it in work.items):
                                     row["kernels_qk_norm_rope"] = qk_norm_rope(own_args[iid])
+                            # a fused-add norm as the layer's pair of kernels Inductor makes
+                            # of it in the model, with and without the boundary copy it fuses
                             if item.op in PAIRED_OPS:
                                 row["kernels_layer_pair"] = {
                                     "copy": layer_pair(item.op, own_args[iid], graphs=pairs),
@@ -922,7 +942,8 @@ def attribute(doc: dict) -> list:
         kern_layer = kernel_us((row.get("kernels_in_layer") or {}).get("native.vllm"))
         concat = row.get("kernels_rope_concat") or {}
         kern_concat = kernel_us(concat.get("in_step"))
-        kern_qk_rope = (row.get("kernels_qk_norm_rope") or {}).get("rope_us")
+        qk_rope = row.get("kernels_qk_norm_rope") or {}
+        kern_qk_rope = qk_rope.get("rope_us")
         pair = row.get("kernels_layer_pair") or {}
         kern_pair = (pair.get("copy") or {}).get("per_call_us")
         kern_pair_nc = (pair.get("no_copy") or {}).get("per_call_us")
@@ -965,6 +986,8 @@ def attribute(doc: dict) -> list:
                 entry["in_step_vs_model"] = round(kern_step / per_call, 3)
             if kern_layer:
                 entry["in_layer_vs_model"] = round(kern_layer / per_call, 3)
+            if qk_rope.get("total_us"):     # norm + rope, where Inductor fused them
+                entry["qk_norm_rope_total_in_step_us"] = qk_rope["total_us"]
             if kern_qk_rope:
                 entry["qk_norm_rope_in_step_us"] = kern_qk_rope
                 entry["qk_norm_rope_vs_model"] = round(kern_qk_rope / per_call, 3)
@@ -1121,16 +1144,28 @@ def print_table(table: list) -> None:
 def print_rope_concat(table: list) -> None:
     """The rope with the ConcatKernel lowering (:func:`rope_concat_graph`), where measured."""
     rows = [e for e in table if e.get("rope_concat_vs_model") is not None
-            or e.get("qk_norm_rope_vs_model") is not None]
+            or e.get("qk_norm_rope_total_in_step_us") is not None]
     if rows:
         print("| op | scenario | in-model µs/call | native.vllm in step | ratio "
-              "| ConcatKernel lowering in step | ratio | after its q/k norm, in step | ratio |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| ConcatKernel lowering in step | ratio | after its q/k norm, in step: rope "
+              "| ratio | norm + rope |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for e in rows:
         print(f"| {e['op']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e.get('native_kernel_in_step_us')} | {e.get('in_step_vs_model', '-')} | "
               f"{e.get('rope_concat_in_step_us')} | {e.get('rope_concat_vs_model', '-')} | "
-              f"{e.get('qk_norm_rope_in_step_us')} | {e.get('qk_norm_rope_vs_model', '-')} |")
+              f"{e.get('qk_norm_rope_in_step_us')} | {e.get('qk_norm_rope_vs_model', '-')} | "
+              f"{e.get('qk_norm_rope_total_in_step_us')} |")
+
+
+def tabulate(doc: dict) -> None:
+    """The validation table from a document with both parts (``attribute``), printed with
+    the rope's extra profiles, and the 15 % tally (``within_15``)."""
+    doc["table"] = attribute(doc)
+    print_table(doc["table"])
+    print_rope_concat(doc["table"])
+    doc["within_15"] = within(doc["table"])
+    print("in the model's context, within 15 %:", json.dumps(doc["within_15"]))
 
 
 def main():
@@ -1159,11 +1194,7 @@ def main():
             doc["in_model_from"] = a.in_model_from
         if a.code:
             doc["kernel_origins"] = code_origins(a.code)
-        doc["table"] = attribute(doc)
-        print_table(doc["table"])
-        print_rope_concat(doc["table"])
-        doc["within_15"] = within(doc["table"])
-        print("in the model's context, within 15 %:", json.dumps(doc["within_15"]))
+        tabulate(doc)
         doc["in_context_ranking"] = in_context_ranking(doc)
         print_ranking(doc["in_context_ranking"])
         with opener(a.analyse, "wt") as out:
@@ -1193,11 +1224,7 @@ def main():
     json.dump(doc, open(path, "w"), indent=1)
     if not a.skip_model:
         doc["in_model"] = in_model(a.profile, scenarios, {})
-        doc["table"] = attribute(doc)
-        print_table(doc["table"])
-        print_rope_concat(doc["table"])
-        doc["within_15"] = within(doc["table"])
-        print("in the model's context, within 15 %:", json.dumps(doc["within_15"]))
+        tabulate(doc)
     json.dump(doc, open(path, "w"), indent=1)
     print("wrote", path, flush=True)
     os._exit(0)

@@ -362,3 +362,15 @@ def test_the_q_k_norm_and_rope_subgraph_computes_the_attention_blocks_q_and_k():
     torch.testing.assert_close(q, want_q, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k, want_k, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(q, qn)      # it rotated
+
+
+def test_the_concat_lowering_is_refused_where_torch_cannot_apply_all_of_it(monkeypatch):
+    """A torch without every setting of CONCAT_LOWERING leaves a two-input cat pointwise
+    (torch 2.11 on the H200: the run measured the candidate again under another name), so
+    the profile refuses it instead of applying the subset."""
+    import pytest
+
+    assert nim.concat_lowering() == nim.CONCAT_LOWERING     # torch 2.13 here has both
+    monkeypatch.setitem(nim.CONCAT_LOWERING, "no_such_inductor_setting", 1)
+    with pytest.raises(RuntimeError, match="no_such_inductor_setting"):
+        nim.concat_lowering()

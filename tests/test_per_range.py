@@ -724,3 +724,17 @@ def test_a_run_the_time_limit_cut_below_three_repetitions_says_so_and_the_way_ou
             assert all(d["decision"] == "native" for d in doc["decisions"])
         else:
             assert cut == []
+
+
+def test_a_limit_that_cut_only_profiling_rounds_is_not_blamed():
+    """``host["time_limit"]`` is also written when the limit cut only kernel or host
+    profiling: every repetition asked was measured, so nothing to warn about."""
+    from fltune.evaluate.model_step import time_limit_cut
+
+    def run(done, asked):
+        return SimpleNamespace(host={"time_limit": {"limit_s": 100.0, "reps_asked": asked,
+                                                    "reps_done": done}})
+    assert time_limit_cut(run(2, 2), "x") == []
+    assert time_limit_cut(SimpleNamespace(host={}), "x") == []
+    (w,) = time_limit_cut(run(1, 5), "the as-served confirmation", ", what was left")
+    assert w.startswith("the as-served confirmation: the time limit (100 s, what was left)")

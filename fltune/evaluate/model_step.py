@@ -329,8 +329,8 @@ def time_limit_cut(result, what: str, share: str = "") -> list:
     max-autotune templates) and decided nothing, with 270 s of the call unused."""
     tl = (getattr(result, "host", None) or {}).get("time_limit") or {}
     done, asked, limit = tl.get("reps_done"), tl.get("reps_asked"), tl.get("limit_s")
-    if done is None or done >= MIN_REPS:
-        return []
+    if done is None or done >= MIN_REPS or (asked is not None and done >= asked):
+        return []       # (a limit that cut only kernel or host profiling rounds)
     limit_txt = f"{float(limit):.0f} s" if isinstance(limit, (int, float)) else "its limit"
     return [f"{what}: the time limit ({limit_txt}{share}) ended the measurement after {done} "
             f"of {asked} repetitions, under the {MIN_REPS} a decision needs, so nothing was "
@@ -694,7 +694,9 @@ def confirm_split(db_path: str, model: str, rows: list, scenarios: list, floors,
                                            if time_limit_s is not None else {}))
     got = getattr(result, "points", result) or []
     doc, warns = ({"ops": ops_, "reps": getattr(result, "reps", reps), "results": {}},
-                  time_limit_cut(result, "the as-served confirmation"))
+                  time_limit_cut(result, "the as-served confirmation",
+                                 ", what the adjudication left of FLTUNE_E2E_TIME_LIMIT"
+                                 if time_limit_s is not None else ""))
     for op in ops_:
         pts = [p for p in got if p.get("arm") == served_arm_name(op)]
         doc["results"][op] = served_verdict(pts, floors)
