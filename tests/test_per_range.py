@@ -355,6 +355,31 @@ def test_a_split_is_confirmed_as_served_or_made_native(cal_db, tmp_path):
     assert any("rms_norm: routed at 1-512" in w for w in doc["warnings"])   # kept: named
     assert "as_served" not in got[("silu_and_mul", 1)]["evidence"]
     assert doc["confirmation"]["ops"] == ["rms_norm"]
+    # the manifest keeps what the split was kept on, beside the adjudication's points; a
+    # decision without a confirmation writes no such key (older manifests keep their bytes)
+    m, _ = build_manifest(str(db))
+    dec = {(r["op"], r.get("min_tokens")): r for r in m["route_decisions"]}
+    served = dec[("rms_norm", 1)]["as_served"]
+    assert served["verdict"] == "not slower" and served["slower_at"] == []
+    assert {p["scenario"]: (p["ci_low"], p["ci_high"]) for p in served["evidence"]} == {
+        "decode_b1": (1.01, 1.05), "prefill_1024": (0.97, 1.02)}
+    assert dec[("rms_norm", 513)]["as_served"] == served
+    assert all("as_served" not in r for (op, _), r in dec.items() if op != "rms_norm")
+    from fltune.dispatch.manifest import RouteDecision
+    back = RouteDecision.from_json(dec[("rms_norm", 1)])
+    assert back.as_served == served and back.to_json() == dec[("rms_norm", 1)]
+    # and the report's table shows it under the adjudication's points
+    import io
+
+    from rich.console import Console
+
+    from fltune.cli.render import render_route_decisions
+    from fltune.evaluate.report import route_decisions_doc
+
+    buf = io.StringIO()
+    render_route_decisions([{**d, "model": "m"} for d in route_decisions_doc(
+        stored_route_decisions(str(db)))], Console(file=buf, width=250))
+    assert "as served, not slower:" in buf.getvalue()
 
     # slower as served (prefill wall CI below 1): native at every size, both runs' evidence
     db, doc, _ = run({"served:rms_norm": {"decode_b1": (1.01, 1.05),

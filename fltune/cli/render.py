@@ -727,8 +727,13 @@ def render_route_decisions(rows: list, console=None, title: str = None) -> None:
                            f"fltune adjudicate[/]; was: {reason}")
         elif dec == "route":
             dec = f"[bold green]{dec}[/]"
-        t.add_row(escape(str(r.get("model") or "")), r["op"], tokens, dec, reason,
-                  _points_cell(points))
+        cell = _points_cell(points)
+        served = r.get("as_served") or (ev.get("as_served") if isinstance(ev, dict) else None)
+        if isinstance(served, dict) and served.get("verdict"):
+            # the split as served (adjudicate --confirm), which it was kept or undone on
+            cell += (f"\nas served, {escape(str(served['verdict']))}:\n"
+                     + _points_cell(served.get("evidence", served.get("points"))))
+        t.add_row(escape(str(r.get("model") or "")), r["op"], tokens, dec, reason, cell)
     console.print(t)
 
 

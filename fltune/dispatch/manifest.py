@@ -269,6 +269,11 @@ class RouteDecision:
     #: the token range this decision covers (``max_tokens`` None: no upper bound)
     min_tokens: int = 1
     max_tokens: Optional[int] = None
+    #: for an op split per range and confirmed as served (``adjudicate --confirm``): the
+    #: confirmation's verdict and points (:func:`as_served_summary`), which the split was
+    #: kept on; ``evidence`` holds the adjudication's per-range points. None (not written,
+    #: so older manifests keep their bytes): no confirmation
+    as_served: Optional[dict] = None
     #: for an op decided per range (:func:`combine_ranges`): every range's decision, by
     #: ``min_tokens``; empty for a decision of one range. Not written (derived)
     ranges: list = field(default_factory=list, compare=False, repr=False)
@@ -303,11 +308,30 @@ class RouteDecision:
              "routed_impls": list(self.routed_impls), "evidence": list(self.evidence)}
         if not self.whole_range:          # absent: the whole range (older bytes kept)
             d["min_tokens"], d["max_tokens"] = self.min_tokens, self.max_tokens
+        if self.as_served is not None:    # absent: no as-served confirmation (same)
+            d["as_served"] = self.as_served
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "RouteDecision":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "ranges"})
+
+
+#: what a point of evidence keeps in the manifest: the scenario and the wall ratio to
+#: vanilla with its CI (an as-served summary adds n and the kernel ratio's CI)
+EVIDENCE_KEYS = ("scenario", "ratio_median", "ci_low", "ci_high")
+
+
+def as_served_summary(result: Optional[dict]) -> Optional[dict]:
+    """An as-served confirmation's result (``model_step.served_verdict``: verdict, points,
+    the scenarios it was slower at) as the manifest keeps it, or None without one."""
+    if not isinstance(result, dict) or not result.get("verdict"):
+        return None
+    keys = EVIDENCE_KEYS + ("n", "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high")
+    return {"verdict": result["verdict"],
+            "evidence": [{k: p.get(k) for k in keys if p.get(k) is not None}
+                         for p in result.get("points") or []],
+            "slower_at": list(result.get("slower_at") or [])}
 
 
 def range_text(lo: int, hi: Optional[int]) -> str:
@@ -335,7 +359,7 @@ def combine_ranges(rows: list) -> "RouteDecision":
         reason=reason, rule=first.rule, model_name=first.model_name,
         routed_impls=list(first.routed_impls),
         evidence=[p for r in rows for p in r.evidence], min_tokens=first.min_tokens,
-        max_tokens=rows[-1].max_tokens, ranges=rows)
+        max_tokens=rows[-1].max_tokens, as_served=first.as_served, ranges=rows)
 
 
 @dataclass

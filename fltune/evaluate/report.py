@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from ..dispatch.manifest import as_served_summary
 from ..dispatch.policy import SelectionPolicy
 from ..freeze import build_manifest, fl_pick_row
 from ..store import CalibrationDB, band_key
@@ -150,7 +151,9 @@ def route_decisions_doc(rows: list) -> list:
                     "points": [{k: p.get(k) for k in ("scenario", "n", "ratio_median", "ci_low",
                                                       "ci_high", "kernel_us_arm",
                                                       "kernel_us_vanilla")}
-                               for p in ev.get("points") or []]})
+                               for p in ev.get("points") or []],
+                    # the split's as-served confirmation, which it was kept (or undone) on
+                    "as_served": as_served_summary(ev.get("as_served"))})
     return out
 
 

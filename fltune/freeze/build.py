@@ -28,9 +28,9 @@ from typing import Optional
 
 import torch
 
-from ..dispatch.manifest import (Band, EnginePick, Manifest, OpEntry, Point,  # noqa: F401
-                                 RouteDecision, Table, device_mismatch, is_native,
-                                 write_manifest)
+from ..dispatch.manifest import (EVIDENCE_KEYS, Band, EnginePick, Manifest,  # noqa: F401
+                                 OpEntry, Point, RouteDecision, Table, as_served_summary,
+                                 device_mismatch, is_native, write_manifest)
 from ..dispatch.policy import SelectionPolicy, fl_pick
 from ..ops import get_op
 from ..store import CalibrationDB, DBError, band_key
@@ -308,9 +308,9 @@ def _route_decisions(db, dev: dict, entries: dict, warnings: list,
             out.append(RouteDecision(
                 model=model, op=op, decision=r["decision"], reason=r["reason"] or "",
                 rule=r["rule"] or "", model_name=r.get("model_name"), routed_impls=routed,
-                evidence=[{k: p.get(k) for k in ("scenario", "ratio_median", "ci_low",
-                                                 "ci_high")}
+                evidence=[{k: p.get(k) for k in EVIDENCE_KEYS}
                           for p in ev.get("points") or []],
+                as_served=as_served_summary(ev.get("as_served")),
                 min_tokens=r.get("min_tokens") or 1, max_tokens=r.get("max_tokens")))
     return out
 
