@@ -360,7 +360,7 @@ native) {
   el "native.vllm against $P in the model"
   VLLM_CACHE_ROOT=$W/vcache TORCHINDUCTOR_CACHE_DIR=$W/icache VLLM_ENABLE_V1_MULTIPROCESSING=0 \
     timeout ${TIMEOUT:-480} python3 benchmarks/native_in_model.py --profile "$P" --out "$W" \
-    --impls ${IMPLS:-native.vllm} ${SKIPMODEL:+--skip-model} \
+    --impls ${IMPLS:-native.vllm} ${SKIPMODEL:+--skip-model} ${NATIVE_OPS:+--ops $NATIVE_OPS} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,decode_b64,prefill_2048,prefill_8192}"
   echo "native_in_model rc=$?"
   grep -rl "def call(" "$W/vcache" "$W/icache" 2>/dev/null > "$W/code-files.txt"

@@ -738,7 +738,7 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
     return out
 
 
-def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
+def alone(profile: str, scenarios: list, impl_ids: list, ops=None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as tprofile
     from fltune.dispatch.discovery import discover
@@ -756,7 +756,7 @@ def alone(profile: str, scenarios: list, impl_ids: list) -> dict:
     pairs: dict = {}        # layer-pair subgraphs, one compile per signature
     seen, rows = set(), []
     for item in work.items:
-        if item.op not in OPS or (item.op, item.dims) in seen:
+        if item.op not in OPS or (item.op, item.dims) in seen or (ops and item.op not in ops):
             continue
         seen.add((item.op, item.dims))
         spec, dims = OPS[item.op], item.dims_dict
@@ -1176,6 +1176,9 @@ def main():
     ap.add_argument("--impls", default="native.vllm,inductor.standalone,vendor.vllm,"
                                        "default.flagos,reference.torch")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--ops", help="only these ops' standalone rows (comma-separated; the "
+                                  "model is profiled whole either way): a short GPU call for "
+                                  "one op's question, e.g. --ops rotary_embedding")
     ap.add_argument("--analyse", help="re-attribute an existing JSON, no GPU")
     ap.add_argument("--code", help="with --analyse: PHASE=native's inductor-code.tgz, whose "
                                    "kernels' origins go into the JSON (kernel_origins)")
@@ -1218,7 +1221,8 @@ def main():
     if unknown:
         sys.exit(f"--impls: {', '.join(unknown)} match no candidate; known: "
                  f"{', '.join(sorted(known))}")
-    doc["alone"] = alone(a.profile, scenarios, ids)
+    ops = [o for o in (a.ops or "").split(",") if o]
+    doc["alone"] = alone(a.profile, scenarios, ids, ops=ops or None)
     doc["in_context_ranking"] = in_context_ranking(doc)
     print_ranking(doc["in_context_ranking"])
     json.dump(doc, open(path, "w"), indent=1)
