@@ -297,12 +297,12 @@ def test_each_op_is_judged_in_the_context_its_model_gives_it():
     in-model figure are not counted; a point outside 15 % is named with its context."""
     table = [
         {"op": "gemma_fused_add_rms_norm", "scenario": "prefill_8192",
-         "in_step_vs_model": 0.83, "layer_pair_vs_model": 1.03},
+         "in_step_vs_model": 0.83, "layer_pair_as_model_vs_model": 1.03},
         {"op": "rms_norm_gated", "scenario": "decode_b16", "in_step_vs_model": 1.25,
          "in_layer_vs_model": 0.95},
         {"op": "rms_norm_gated", "scenario": "prefill_2048", "in_step_vs_model": 0.90},
         {"op": "rotary_embedding", "scenario": "prefill_2048", "in_step_vs_model": 1.42,
-         "layer_pair_vs_model": 1.0},
+         "layer_pair_as_model_vs_model": 1.0},
         {"op": "silu_and_mul", "scenario": "decode_b1"},
         {"op": "linear", "scenario": "decode_b1", "in_step_vs_model": 2.0},
     ]
@@ -374,3 +374,25 @@ def test_the_concat_lowering_is_refused_where_torch_cannot_apply_all_of_it(monke
     monkeypatch.setitem(nim.CONCAT_LOWERING, "no_such_inductor_setting", 1)
     with pytest.raises(RuntimeError, match="no_such_inductor_setting"):
         nim.concat_lowering()
+
+
+def _pair_doc(model_kernel: str):
+    """A fused-add norm row with both layer-pair variants and one model kernel."""
+    row = {"op": "fused_add_rms_norm", "signature": "s", "scenario": "prefill_8192",
+           "tokens": 8192, "calls_per_step": 2, "timed": {"native.vllm": 14.0},
+           "kernels": {"native.vllm": {"triton_per_fused_add_mean_0": [1.0, 14.0]}},
+           "kernels_layer_pair": {"copy": {"per_call_us": 18.0},
+                                  "no_copy": {"per_call_us": 16.0}}}
+    sc = {"tokens": 8192, "kernels": {model_kernel: [2.0, 32.0]}}
+    return {"alone": {"rows": [row]}, "in_model": {"scenarios": {"prefill_8192": sc}}}
+
+
+def test_the_layer_pair_variant_follows_the_models_kernels():
+    """The pair is judged with the boundary copy only where the model's kernels carry one
+    (their names say copy_, as Qwen3.5's do); without it where they do not (Qwen3's)."""
+    (e,) = nim.attribute(_pair_doc("triton_per_fused__to_copy_add_copy__fused_add_rms_norm_3"))
+    assert e["layer_pair_variant"] == "copy" and e["layer_pair_as_model_vs_model"] == 1.125
+    assert nim.in_model_context(e) == ("layer_pair", 1.125)
+    (e,) = nim.attribute(_pair_doc("triton_per_fused_fused_add_rms_norm_2"))
+    assert e["layer_pair_variant"] == "no_copy" and nim.in_model_context(e) == (
+        "layer_pair", 1.0)
