@@ -35,6 +35,7 @@ Writes DIR/native-in-model-<profile>.json (everything, raw) and prints the table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -324,13 +325,12 @@ def profile_rounds(rounds, n: int):
 PAIRED_OPS = ("fused_add_rms_norm", "gemma_fused_add_rms_norm")
 
 
-def compile_as_native(fn, name: str, first: list, token_dims: dict, extra_patches=None):
+def compile_as_native(fn, name: str, first: list, token_dims: dict):
     """``fn`` compiled the way :mod:`fltune.backends.native_vllm` compiles an op (vLLM's
     Inductor options, guards skipped, vLLM IR ops inlined as their native implementation),
     traced and first run on ``first`` (vLLM's ``max_num_batched_tokens`` worth of tokens,
     where Inductor picks launch configurations) with only ``token_dims`` ({position in
-    ``first``: dim}) dynamic. ``extra_patches``: Inductor config on top (only keys this torch
-    has; :data:`CONCAT_LOWERING`). Returns the compiled callable."""
+    ``first``: dim}) dynamic. Returns the compiled callable."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -345,7 +345,7 @@ def compile_as_native(fn, name: str, first: list, token_dims: dict, extra_patche
     dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
                  if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
     with nv._ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-            torch._inductor.config.patch(**patches, **(extra_patches or {})):
+            torch._inductor.config.patch(**patches):
         compiled(*first)
     return compiled
 
@@ -442,33 +442,38 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
             "captured": captured, "rounds": n}
 
 
-#: Inductor settings under which ``aten.cat`` of two inputs lowers to a ``ConcatKernel``
-#: (each input computed into its slice of the output) instead of a pointwise cat (every
-#: output element evaluates both inputs under masks): :func:`rope_concat_graph`. Both are
-#: needed: ``max_complex_pointwise_cat_inputs`` arrived in torch 2.12; before it the
-#: threshold for complex inputs was a constant 8 inside ``lowering.cat`` (session 22's
-#: review), so on torch 2.11 no setting reaches a two-input cat.
-CONCAT_LOWERING = {"max_pointwise_cat_inputs": 1, "max_complex_pointwise_cat_inputs": 1}
+@contextlib.contextmanager
+def concat_kernel_lowering():
+    """Inside: Inductor lowers every ``cat`` it would make a pointwise cat (every output
+    element evaluating each input under masks) as a ``ConcatKernel`` (each input computed
+    into its slice of the output), with the FX graph cache off so that no earlier compile of
+    the same graph is reused (the swap is not part of the cache key).
 
-
-def concat_lowering() -> dict:
-    """:data:`CONCAT_LOWERING` when this torch has every key of it, else raise: a subset
-    leaves the two-input cat pointwise and would measure the candidate again under another
-    name (session 22's H200 run, torch 2.11, did exactly that)."""
+    Why this way: the settings that choose the lowering (``max_pointwise_cat_inputs`` with
+    ``max_complex_pointwise_cat_inputs``) reach a two-input cat only from torch 2.12 on;
+    before, the threshold was a constant 8 inside ``lowering.cat`` (session 22's H200 run,
+    torch 2.11, applied the first setting alone and compiled the candidate's kernel again).
+    ``lowering.cat`` calls the module's ``pointwise_cat`` by name on every torch since 2.1,
+    so swapping that function is the one switch every version honours."""
     import torch
+    from torch._inductor import ir, lowering
 
-    missing = [k for k in CONCAT_LOWERING if not hasattr(torch._inductor.config, k)]
-    if missing:
-        raise RuntimeError(f"torch {torch.__version__} has no Inductor setting "
-                           f"{', '.join(missing)}: a two-input cat cannot be forced to a "
-                           f"ConcatKernel here (use qk_norm_rope_graph)")
-    return dict(CONCAT_LOWERING)
+    original = lowering.pointwise_cat
+
+    def as_concat_kernel(inputs, dim=0):
+        return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
+    lowering.pointwise_cat = as_concat_kernel
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            yield
+    finally:
+        lowering.pointwise_cat = original
 
 
 def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     """vLLM's native rope (``op``'s native.vllm function, out of place as the race times it)
     compiled as :mod:`fltune.backends.native_vllm` does, except that ``torch.cat`` lowers to a
-    ``ConcatKernel`` (:data:`CONCAT_LOWERING`). Returns ``run(*args)``.
+    ``ConcatKernel`` (:func:`concat_kernel_lowering`). Returns ``run(*args)``.
 
     Why: session 22 read both sides' generated code for Qwen3-0.6B at prefill, where the
     candidate's rope reads 1.4x the model's kernel in 2 of 3 compiles of the model. The model's
@@ -484,11 +489,11 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     q/k norm before the rope (Qwen3, Qwen3.5) should compile with this lowering.
 
     Session 22's H200 run (torch 2.11) compiled the same kernel as the candidate's (``x0 =
-    xindex % 128`` under masks, 1.43x / 1.46x the model at 2048 / 8192 tokens): that torch
-    lacks ``max_complex_pointwise_cat_inputs`` and the run applied ``max_pointwise_cat_inputs``
-    alone, which does not reach a two-input cat (:data:`CONCAT_LOWERING`). So the hypothesis
-    was not tested; :func:`concat_lowering` now refuses such a torch, and
-    :func:`qk_norm_rope_graph` tests it with the model's own neighbour instead."""
+    xindex % 128`` under masks, 1.43x / 1.46x the model at 2048 / 8192 tokens): it set
+    ``max_pointwise_cat_inputs`` alone, which does not reach a two-input cat on that torch.
+    So the hypothesis was not tested; the lowering is now swapped where every torch honours
+    it (:func:`concat_kernel_lowering`), and :func:`qk_norm_rope_graph` tests it with the
+    model's own neighbour too."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -508,9 +513,9 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     n_trace = trace_tokens or nv.trace_tokens(args[tensor_idx[0]].device.type)
     first = [nv._with_tokens(a, dims[i], n_trace) if i in dims else a
              for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    compiled = compile_as_native(rope, f"native_vllm_{op}_concat", first,
-                                 {j: dims[i] for j, i in enumerate(tensor_idx) if i in dims},
-                                 concat_lowering())
+    with concat_kernel_lowering():
+        compiled = compile_as_native(rope, f"native_vllm_{op}_concat", first,
+                                     {j: dims[i] for j, i in enumerate(tensor_idx) if i in dims})
 
     def run(*call_args):
         return compiled(*[call_args[i] for i in tensor_idx])

@@ -364,16 +364,31 @@ def test_the_q_k_norm_and_rope_subgraph_computes_the_attention_blocks_q_and_k():
     assert not torch.allclose(q, qn)      # it rotated
 
 
-def test_the_concat_lowering_is_refused_where_torch_cannot_apply_all_of_it(monkeypatch):
-    """A torch without every setting of CONCAT_LOWERING leaves a two-input cat pointwise
-    (torch 2.11 on the H200: the run measured the candidate again under another name), so
-    the profile refuses it instead of applying the subset."""
-    import pytest
+def test_the_concat_kernel_lowering_is_swapped_in_and_back():
+    """Inside the context Inductor's pointwise cat builds a ConcatKernel (the model's
+    lowering of the rope's cat) and the FX graph cache is off; after it, both are back."""
+    import torch
+    from torch._inductor import ir, lowering
 
-    assert nim.concat_lowering() == nim.CONCAT_LOWERING     # torch 2.13 here has both
-    monkeypatch.setitem(nim.CONCAT_LOWERING, "no_such_inductor_setting", 1)
-    with pytest.raises(RuntimeError, match="no_such_inductor_setting"):
-        nim.concat_lowering()
+    original = lowering.pointwise_cat
+    cache = torch._inductor.config.fx_graph_cache
+    made = []
+    real_create = ir.ConcatKernel.create
+
+    def spy(inputs, dim):
+        made.append(dim)
+        return "concat-kernel"
+    with nim.concat_kernel_lowering():
+        assert lowering.pointwise_cat is not original
+        assert torch._inductor.config.fx_graph_cache is False
+        ir.ConcatKernel.create = spy
+        try:
+            out = lowering.pointwise_cat(["a", "b"], 1)
+        finally:
+            ir.ConcatKernel.create = real_create
+    assert made == [1] and out.data == "concat-kernel"
+    assert lowering.pointwise_cat is original
+    assert torch._inductor.config.fx_graph_cache == cache
 
 
 def _pair_doc(model_kernel: str):
