@@ -411,3 +411,33 @@ def test_the_layer_pair_variant_follows_the_models_kernels():
     (e,) = nim.attribute(_pair_doc("triton_per_fused_fused_add_rms_norm_2"))
     assert e["layer_pair_variant"] == "no_copy" and nim.in_model_context(e) == (
         "layer_pair", 1.0)
+
+
+def test_the_swapped_lowering_compiles_a_rope_that_computes_right(monkeypatch):
+    """Where Inductor would build a pointwise cat (forced here: on CPU it never does), the
+    swap builds a ConcatKernel instead, and the rope compiled that way still computes
+    native.vllm's rotated (query, key)."""
+    import torch
+    from torch._inductor import ir
+    from fltune.backends import native_vllm as nv
+    from fltune.ops import OPS, workload_dims
+
+    made = []
+    real = ir.ConcatKernel.create
+
+    def counting(inputs, dim):
+        made.append(len(inputs))
+        return real(inputs, dim)
+    monkeypatch.setattr(ir.ConcatKernel, "create", counting)
+    dims = dict(heads=2, kv_heads=1, head_size=16, rotary_dim=16, max_position=32,
+                base=10000.0, is_neox=True)
+    gen = torch.Generator().manual_seed(4)
+    with workload_dims(dims), torch._inductor.config.patch(force_pointwise_cat=True):
+        args = OPS["rotary_embedding"].make_inputs(5, dims, torch.float32, "cpu", gen)
+        run = nim.rope_concat_graph("rotary_embedding", args, trace_tokens=12)
+        q, k = run(*args)
+    assert made and all(n >= 2 for n in made)      # the rope's cats, as ConcatKernels
+    want_q, want_k = nv._make_timed("rotary_embedding")(
+        *[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
