@@ -289,6 +289,26 @@ def producers(args, op: str, k: int = 2048, weight_bytes: int = CONTEXT_WEIGHT_B
 STEP_FLUSH_BYTES = 128 << 20
 
 
+def profile_calls(call, n: int = 10, warmup: int = 0) -> tuple:
+    """``call()`` run ``warmup`` times, then ``n`` times under the profiler (CUDA kernels
+    only): (its kernels per call, the same keyed by launch shape as well). The trace is
+    exported once: a profile's can be exported only once."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    from fltune.integrations.vllm.e2e_worker import chrome_trace
+
+    for _ in range(warmup):
+        call()
+    if warmup:
+        torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    tr = chrome_trace(p)
+    return per_call(kernels_of(tr), n), per_call(kernels_of(tr, launches=True), n)
+
+
 def profile_rounds(rounds, n: int):
     """``rounds(n)`` captured in one CUDA graph (two rounds of warm-up outside the capture),
     replayed once, then profiled for one replay: (the profile, whether the capture held; if
@@ -525,26 +545,12 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
 def rope_concat(op: str, args) -> dict:
     """:func:`rope_concat_graph`'s kernels per call, back to back and in step
     (:func:`in_context` with ``step``), beside the candidate's own row."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
-
     try:
         run = rope_concat_graph(op, args)
         call = (lambda: run(*args))
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(10):
-                call()
-            torch.cuda.synchronize()
+        kernels, launches = profile_calls(call, warmup=3)
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
-    from fltune.integrations.vllm.e2e_worker import chrome_trace
-
-    tr = chrome_trace(p)        # once: a profile's trace can be exported only once
-    kernels = per_call(kernels_of(tr), 10)
-    launches = per_call(kernels_of(tr, launches=True), 10)
     return {"kernels": kernels, "launches": launches,
             "in_step": in_context(call, args, op, set(kernels), step=True)}
 
@@ -564,7 +570,8 @@ def qk_norm_rope_graph(args, eps: float = 1e-6, trace_tokens: int | None = None)
     reads 1.4x the model's time (sessions 19 and 22). Inductor picks the pointwise cat unless
     a cat input reaches back to a reduction: here the norm's is upstream, as in the model. If
     this graph's rope kernel is the model's, the rope's stand-in needs its norm neighbour
-    (``rope_concat_graph``'s config route did not change the kernel on torch 2.11)."""
+    (session 22's first try, a config route, did not reach the cat on torch 2.11;
+    ``rope_concat_graph`` now swaps the lowering itself)."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -598,23 +605,10 @@ def qk_norm_rope(args) -> dict:
     """:func:`qk_norm_rope_graph`'s kernels per call, back to back and in step: ``rope_us``
     is its pointwise kernels' time (the rope, with the norm's application fused in, as the
     model's rope kernel), ``kernels`` every kernel with its launch shape."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
-    from fltune.integrations.vllm.e2e_worker import chrome_trace
-
     try:
         run, ins = qk_norm_rope_graph(args)
         call = (lambda: run(*ins))
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-            for _ in range(10):
-                call()
-            torch.cuda.synchronize()
-        tr = chrome_trace(p)
-        kernels = per_call(kernels_of(tr), 10)
-        launches = per_call(kernels_of(tr, launches=True), 10)
+        kernels, launches = profile_calls(call, warmup=3)
         # in step, after the qkv GEMM that writes its input (a norm's first input: qkv)
         step = in_context(call, [ins[0]], "rms_norm", set(kernels), step=True)
     except Exception as e:      # a row, not the end
@@ -745,12 +739,10 @@ def in_context(call, args, op: str, names: set, n: int = 16, step: bool = False,
 
 def alone(profile: str, scenarios: list, impl_ids: list, ops=None) -> dict:
     import torch
-    from torch.profiler import ProfilerActivity, profile as tprofile
     from fltune.dispatch.discovery import discover
     from fltune.dispatch.registry import OpRegistry
     from fltune.dispatch.types import QualifyContext
     from fltune.ops import OPS, clone_args, dtype_from_name, workload_dims
-    from fltune.integrations.vllm.e2e_worker import chrome_trace
     from fltune.tune import timing
     from fltune.tune.workload import derive
 
@@ -808,20 +800,15 @@ def alone(profile: str, scenarios: list, impl_ids: list, ops=None) -> dict:
                     if not isinstance(t, timing.Timing):
                         continue
                     try:
-                        with tprofile(activities=[ProfilerActivity.CUDA]) as p:
-                            for _ in range(10):
-                                calls[iid]()
-                            torch.cuda.synchronize()
+                        kernels, launches = profile_calls(calls[iid])
                     except Exception as e:     # a candidate that breaks is a row, not the end
                         row["kernels"][iid] = f"raised: {type(e).__name__}: {e}"[:300]
                         continue
-                    tr = chrome_trace(p)
-                    row["kernels"][iid] = per_call(kernels_of(tr), 10)
+                    row["kernels"][iid] = kernels
                     # with grid and block, to set beside the model's (``kernel_launches``):
                     # the same generated code can run with another launch configuration
                     # (Inductor's pointwise autotune picks one at the first run)
-                    row.setdefault("kernel_launches", {})[iid] = per_call(
-                        kernels_of(tr, launches=True), 10)
+                    row.setdefault("kernel_launches", {})[iid] = launches
                     if iid == "native.vllm":
                         row.setdefault("kernels_params_cold", {})[iid] = params_cold(
                             calls[iid], own_args[iid], item.op, set(row["kernels"][iid]))

@@ -728,7 +728,7 @@ def render_route_decisions(rows: list, console=None, title: str = None) -> None:
         elif dec == "route":
             dec = f"[bold green]{dec}[/]"
         cell = _points_cell(points)
-        served = r.get("as_served") or (ev.get("as_served") if isinstance(ev, dict) else None)
+        served = r.get("as_served") or ev.get("as_served")
         if isinstance(served, dict) and served.get("verdict"):
             # the split as served (adjudicate --confirm), which it was kept or undone on
             cell += (f"\nas served, {escape(str(served['verdict']))}:\n"
