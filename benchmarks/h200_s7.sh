@@ -377,7 +377,8 @@ opsadj) {
               "Qwen3.5-0.8B:${OPS35-silu_and_mul,gemma_rms_norm,gemma_fused_add_rms_norm}"; do
     [ -n "${spec#*:}" ] || continue
     m=${spec%%:*}; left=$(( $(call_left) - 20 ))
-    [ "$m" = Qwen3-0.6B ] && left=$(( left / 2 ))
+    # (Qwen3-0.6B gets half of the call only when Qwen3.5 follows it)
+    [ "$m" = Qwen3-0.6B ] && [ -n "${OPS35-x}" ] && left=$(( left / 2 ))
     el "adjudicate $m ${spec#*:} ($left s)"
     [ $left -gt 120 ] && FLTUNE_E2E_TIME_LIMIT=$(( left - 30 )) timeout $left python3 -m fltune \
       adjudicate --db $DB --model "$m" --ops "${spec#*:}" --reps ${REPS:-8} --warmup 1 \
@@ -393,8 +394,10 @@ fiops) {
   # the shipped DB had raced without them, both models, into the shipped DB's copy (--force:
   # the bands are re-raced with every candidate, the old rows replaced)
   shipped_db
-  for spec in "Qwen3.5-0.8B:${OPS35:-gemma_rms_norm,gemma_fused_add_rms_norm,silu_and_mul}" \
-              "Qwen3-0.6B:${OPS06:-silu_and_mul,rotary_embedding}"; do
+  # (OPS35= or OPS06= empty skips that model: session 23 re-raced Qwen3-0.6B's rope alone)
+  for spec in "Qwen3.5-0.8B:${OPS35-gemma_rms_norm,gemma_fused_add_rms_norm,silu_and_mul}" \
+              "Qwen3-0.6B:${OPS06-silu_and_mul,rotary_embedding}"; do
+    [ -n "${spec#*:}" ] || continue
     left=$(( $(call_left) - 20 ))
     el "calibrate ${spec%%:*} ${spec#*:} --force ($left s left)"
     [ $left -gt 30 ] && timeout $left python3 -m fltune calibrate --model "${spec%%:*}" --db $DB \

@@ -35,7 +35,6 @@ Writes DIR/native-in-model-<profile>.json (everything, raw) and prints the table
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -462,32 +461,12 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
             "captured": captured, "rounds": n}
 
 
-@contextlib.contextmanager
 def concat_kernel_lowering():
-    """Inside: Inductor lowers every ``cat`` it would make a pointwise cat (every output
-    element evaluating each input under masks) as a ``ConcatKernel`` (each input computed
-    into its slice of the output), with the FX graph cache off so that no earlier compile of
-    the same graph is reused (the swap is not part of the cache key).
-
-    Why this way: the settings that choose the lowering (``max_pointwise_cat_inputs`` with
-    ``max_complex_pointwise_cat_inputs``) reach a two-input cat only from torch 2.12 on;
-    before, the threshold was a constant 8 inside ``lowering.cat`` (session 22's H200 run,
-    torch 2.11, applied the first setting alone and compiled the candidate's kernel again).
-    ``lowering.cat`` calls the module's ``pointwise_cat`` by name on every torch since 2.1,
-    so swapping that function is the one switch every version honours."""
-    import torch
-    from torch._inductor import ir, lowering
-
-    original = lowering.pointwise_cat
-
-    def as_concat_kernel(inputs, dim=0):
-        return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
-    lowering.pointwise_cat = as_concat_kernel
-    try:
-        with torch._inductor.config.patch(fx_graph_cache=False):
-            yield
-    finally:
-        lowering.pointwise_cat = original
+    """Inductor's ``cat`` lowered as a ``ConcatKernel`` inside (the candidate's own switch,
+    :func:`fltune.backends.native_vllm.concat_kernel_lowering`; session 22 built it here,
+    session 23's H200 run showed it reads the model's rope, and the candidate now uses it)."""
+    from fltune.backends import native_vllm as nv
+    return nv.concat_kernel_lowering()
 
 
 def rope_concat_graph(op: str, args, trace_tokens: int | None = None):

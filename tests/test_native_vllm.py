@@ -244,3 +244,51 @@ def test_the_race_times_timed_and_checks_it_first():
     assert got["spy.bad"].reason.startswith("its timed path (OpImpl.timed)")
     calls_fn = used["fn"]
     assert used["timed"] > 3 and calls_fn < used["timed"]    # timed is what was timed
+
+
+def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch):
+    """Where the workload says the rope follows a per-head q/k norm (Qwen3's
+    ``after_qk_norm``), its graph is compiled with the cat lowered as a ConcatKernel, as
+    Inductor lowers it inside vLLM's model; without it, as Inductor lowers a rope alone
+    (a pointwise cat where Inductor would build one: forced here, as on CPU it never does).
+    Both compute the same values, and the context is part of the graph's key."""
+    from torch._inductor import ir
+    from fltune.ops import workload_dims
+
+    made = []
+    real = ir.ConcatKernel.create
+
+    def counting(inputs, dim):
+        made.append(len(inputs))
+        return real(inputs, dim)
+    monkeypatch.setattr(ir.ConcatKernel, "create", counting)
+    monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "12")
+    spec = OPS["rotary_embedding"]
+    dims = {**spec.default_dims, "heads": 2, "kv_heads": 1, "head_size": 32,
+            "rotary_dim": 32, "max_position": 40}
+    results = {}
+    for after in (False, True):
+        args = _inputs("rotary_embedding", 5, torch.float32, dims, seed=7)
+        made.clear()
+        n0 = nv.COMPILES[0]
+        with workload_dims({**dims, "after_qk_norm": after}), \
+                torch._inductor.config.patch(force_pointwise_cat=True):
+            results[after] = IMPLS["rotary_embedding"].timed(*args)
+        assert nv.COMPILES[0] - n0 == 1                  # its own graph per context
+        assert bool(made) == after                       # ConcatKernels only after the norm
+    for a, b in zip(results[False], results[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the context dim stays out of the rope's signature (the DB's key)
+    assert spec.signature({**dims, "after_qk_norm": True}) == spec.signature(dims)
+    assert "after_qk_norm" not in spec.signature({**dims, "after_qk_norm": True})
+
+
+def test_the_lowering_swap_is_undone_after_the_compile():
+    from torch._inductor import lowering
+
+    before = lowering.pointwise_cat
+    with pytest.raises(RuntimeError):
+        with nv.concat_kernel_lowering():
+            assert lowering.pointwise_cat is not before
+            raise RuntimeError("a compile that fails")
+    assert lowering.pointwise_cat is before

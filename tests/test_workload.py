@@ -162,6 +162,18 @@ def test_flat_config_and_fixture_dir():
     rope = it[("rotary_embedding", "attention rope")][0]
     assert rope["rotary_dim"] == rope["head_size"] == 32 and rope["is_neox"] is True
     assert it[("silu_and_mul", "mlp act_fn")] == ({"intermediate": 128}, 2)
+    # Qwen3's q/k norms feed its rope: a context dim for native.vllm, not in the signature
+    assert rope["after_qk_norm"] is True
+    (item,) = [i for i in w.items if i.op == "rotary_embedding"]
+    assert "after_qk_norm" not in item.signature and "rotary_dim=32" in item.signature
+
+
+def test_a_rope_without_qk_norms_has_no_after_qk_norm(tmp_path):
+    cfg = _profile("tiny-qwen3")
+    cfg["model_type"] = "qwen2"
+    (item,) = [i for i in derive(str(_write(tmp_path / "m", cfg))).items
+               if i.op == "rotary_embedding"]
+    assert "after_qk_norm" not in item.dims_dict
 
 
 def test_text_config_values_win_over_top_level(tmp_path):

@@ -45,6 +45,11 @@ the model's at 2048–8192 tokens (2026-11-30); traced at 8192, session 16's run
 ``benchmarks/native_in_model.py`` read 0.81–0.95x and 0.88–1.02x (README, "native.vllm
 against the model").
 
+One neighbour's effect is reproduced because it changes the op's own code: where the
+workload says a rope follows a per-head q/k norm (Qwen3: the context dim ``after_qk_norm``),
+its ``torch.cat`` lowers as in the model, a ``ConcatKernel`` (:data:`CONCAT_AFTER`); without
+it the candidate's rope read 1.4x the model's at prefill on the H200.
+
 What is *not* reproduced: the neighbours vLLM fuses the op with in a model (the gate_up
 GEMM's output slice, residual adds and casts around the norms, the q/k split around
 rope; in Qwen3.5 the gated norm's gate arrives as a view with a row stride of 8192 and its
@@ -77,6 +82,7 @@ torch ops (45), above the standalone compile (40), so FL's fixed order is unchan
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -295,6 +301,59 @@ def _skip_guards():
         (lambda entries: [False for _ in entries])
 
 
+# ---- the rope's cat, lowered as the model's neighbours make Inductor lower it ----------------
+
+#: op -> the context dim (``OpSpec.context_dims``) under which vLLM's compiled model lowers
+#: the op's ``torch.cat`` as a ``ConcatKernel``: the rope right after a per-head q/k norm.
+#: Inductor's ``lowering.cat`` builds a pointwise cat (every output element evaluates each
+#: input under masks) unless an input reaches back to a reduction it would have to
+#: recompute. In Qwen3's attention the q/k norm's reduction is upstream of the rope, so the
+#: model's rope kernel computes one rotated pair per thread and stores both halves
+#: (``x0 = xindex % 64`` at head size 128, a ``ConcatKernel``); the rope compiled alone has
+#: no reduction upstream and gets the pointwise cat, twice the threads (``% 128``). On the
+#: H200 that alone made the candidate 1.43x / 1.44x the model's rope kernel at 2048 / 8192
+#: tokens; compiled with this lowering, 1.03x / 0.92x (session 23, ``benchmarks/
+#: native_in_model.py``'s "ConcatKernel lowering" column). Every ``cat`` of the
+#: ``rotary_embedding`` graph is on the q/k path (the rotation's halves, and the
+#: pass-through part of a partial ``rotary_dim``), so lowering every cat of that graph this
+#: way is the model's choice. Not ``mrope``: its graph also cats cos/sin sections, which
+#: reach no reduction in the model (and Qwen3.5 fuses its q/k norm and mrope into one
+#: kernel the profiler cannot attribute, so there is no in-model time to check it against).
+CONCAT_AFTER = {"rotary_embedding": "after_qk_norm"}
+
+
+@contextlib.contextmanager
+def concat_kernel_lowering():
+    """Inside: Inductor lowers every ``cat`` it would make a pointwise cat as a
+    ``ConcatKernel`` (each input computed into its slice of the output), with the FX graph
+    and AOTAutograd caches off, so that no earlier compile of the same graph (the swap is
+    not part of their keys) is reused.
+
+    Why a swap and not a setting: the settings that choose the lowering
+    (``max_pointwise_cat_inputs`` with ``max_complex_pointwise_cat_inputs``) reach a
+    two-input cat only from torch 2.12 on; before, the threshold is a constant 8 inside
+    ``lowering.cat`` (session 22's H200 run on torch 2.11 set the first setting and got the
+    pointwise cat again). ``lowering.cat`` calls the module's ``pointwise_cat`` by name on
+    every torch since 2.1, so swapping that function is the one switch every version
+    honours. On CPU Inductor never builds a pointwise cat, so the swap changes nothing
+    there."""
+    from torch._inductor import ir, lowering
+
+    original = lowering.pointwise_cat
+
+    def as_concat_kernel(inputs, dim=0):
+        return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
+    caches = ({"enable_autograd_cache": False}
+              if hasattr(torch._functorch.config, "enable_autograd_cache") else {})
+    lowering.pointwise_cat = as_concat_kernel
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(**caches):
+            yield
+    finally:
+        lowering.pointwise_cat = original
+
+
 # ---- one compiled graph per static signature ----------------------------------------------
 
 _graphs: dict = {}
@@ -375,7 +434,7 @@ FELL_BACK: dict = {}
 
 
 def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool = False,
-           write_back: bool = True):
+           write_back: bool = True, concat_kernel: bool = False):
     spec = OPS[op_name]
     base, _ = sources()[op_name]
     fallback = spec.functional or spec.reference
@@ -428,8 +487,9 @@ def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool =
     dyn_patch = ({"enable_cpp_symbolic_shape_guards": False}
                  if hasattr(torch._dynamo.config, "enable_cpp_symbolic_shape_guards") else {})
     try:
+        lowering = concat_kernel_lowering() if concat_kernel else contextlib.nullcontext()
         with _ir_native(), torch._dynamo.config.patch(**dyn_patch), \
-                torch._inductor.config.patch(**patches):
+                torch._inductor.config.patch(**patches), lowering:
             first = compiled(*tensors)
     except torch._dynamo.exc.Unsupported as e:
         if base is fallback:
@@ -440,7 +500,7 @@ def _build(op_name: str, args: tuple, rows_per_token: int, use_reference: bool =
         log.warning("fltune native.vllm: %s: vLLM's function does not trace here (%s); "
                     "compiling fltune's reference instead", op_name, FELL_BACK[op_name])
         return _build(op_name, args, rows_per_token, use_reference=True,
-                      write_back=write_back)
+                      write_back=write_back, concat_kernel=concat_kernel)
     COMPILES[0] += 1
     graph = _Graph(compiled, tensor_idx, mutates if mutates and not in_graph else (), n_trace)
     if warm is not None:
@@ -488,10 +548,13 @@ def compiled_graph(op_name: str, args, write_back: bool = True) -> tuple:
     graph already ran it, else ``_NOT_RUN``). The workload's rows per token is in the key: a
     graph's kernel configurations were chosen at the size it sets (vLLM's
     max_num_batched_tokens times it, read once when the graph is built: every call passes
-    here, and the eager-timed bands time this host path)."""
-    rows_per_token = int(current_workload_dims().get("rows_per_token", 1) or 1)
+    here, and the eager-timed bands time this host path). So is the rope's cat lowering
+    (:data:`CONCAT_AFTER`), which the workload's context dims set."""
+    dims = current_workload_dims()
+    rows_per_token = int(dims.get("rows_per_token", 1) or 1)
+    concat_kernel = bool(dims.get(CONCAT_AFTER[op_name])) if op_name in CONCAT_AFTER else False
     key = _key(op_name, args) + (("rows_per_token", rows_per_token),
-                                 ("write_back", write_back))
+                                 ("write_back", write_back), ("concat_kernel", concat_kernel))
     graph = _graphs.get(key)
     if graph is not None:
         return graph, _NOT_RUN
@@ -499,7 +562,8 @@ def compiled_graph(op_name: str, args, write_back: bool = True) -> tuple:
         graph = _graphs.get(key)
         if graph is not None:
             return graph, _NOT_RUN
-        graph, first = _build(op_name, tuple(args), rows_per_token, write_back=write_back)
+        graph, first = _build(op_name, tuple(args), rows_per_token, write_back=write_back,
+                              concat_kernel=concat_kernel)
         _graphs[key] = graph
         return graph, first
 

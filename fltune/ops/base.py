@@ -114,10 +114,18 @@ class OpSpec:
     #: --cold-weights`` times decode bands with these rotated through copies
     #: (``tune/cold_weights.py``). () = every argument as the race makes it
     step_cold_args: tuple[int, ...] = ()
+    #: dims that say what the op's neighbours in the model are, not what its arguments are
+    #: (``after_qk_norm`` of a rope): the inputs and every candidate's values are the same
+    #: with or without them, so they stay out of :meth:`signature` (the DB's and the
+    #: manifest's key: a model gaining one keeps its rows). Read by a candidate that
+    #: reproduces the model's compile, whose code depends on the neighbours (``native.vllm``)
+    context_dims: tuple[str, ...] = ()
 
     def signature(self, dims: dict) -> str:
-        """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'."""
-        return ",".join(f"{k}={_fmt(v)}" for k, v in sorted(dims.items()))
+        """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'
+        (:attr:`context_dims` left out)."""
+        return ",".join(f"{k}={_fmt(v)}" for k, v in sorted(dims.items())
+                        if k not in self.context_dims)
 
 
 def _fmt(v) -> str:

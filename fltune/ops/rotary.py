@@ -129,6 +129,9 @@ ROTARY_EMBEDDING = OpSpec(
     name="rotary_embedding", reference=rotary_embedding_ref, make_inputs=_rope_inputs,
     outputs=lambda args, ret: [args[1], args[2]], bytes_moved=_bytes, mutates=(1, 2), key_arg=1,
     default_dims={**_QWEN35_ROPE, "is_neox": True}, layouts=_ROPE_LAYOUTS,
+    # whether the model normalises q and k per head right before the rope (Qwen3): it
+    # changes how vLLM's compile lowers the rope (``backends/native_vllm``), not the op
+    context_dims=("after_qk_norm",),
     doc="in-place rope on query/key, NeoX or GPT-J style, partial rotary_dim")
 
 MROPE = OpSpec(

@@ -268,8 +268,11 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
             add("rms_norm", layers, "q_norm (per head)", hidden=head_dim, rows_per_token=h_tp, eps=eps)
             add("rms_norm", layers, "k_norm (per head)", hidden=head_dim, rows_per_token=kv_tp, eps=eps)
         rot = rotary_dim(text)
+        # Qwen3's q/k norms feed the rope: vLLM's compile then lowers the rope's cat
+        # differently (``native.vllm``); a context dim, outside the rope's signature
         add("rotary_embedding", layers, "attention rope", heads=h_tp, kv_heads=kv_tp, head_size=head_dim,
-            rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True)
+            rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True,
+            **({"after_qk_norm": True} if mtype == "qwen3" else {}))
         act = str(text.get("hidden_act", "silu"))
         op = {"silu": "silu_and_mul", "gelu": "gelu_and_mul",
               "gelu_pytorch_tanh": "gelu_tanh_and_mul"}.get(act)
