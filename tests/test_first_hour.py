@@ -255,6 +255,32 @@ def test_hint_stack_changed_whole_workload_run_needs_no_ops(tiny, tmp_path):
     assert "--max-tokens 16" in cmds[0], cmds[0]
 
 
+def test_hint_stack_changed_keeps_each_runs_timing_switches(tiny, tmp_path):
+    # a whole-workload run, then one op re-timed with --cold-weights (which still holds the
+    # 1-token band): one command per timing regime, the newest regime's last, so following
+    # them re-times that op cold again instead of hot (or every op cold)
+    old = _old_stack(tiny, tmp_path, "regimes.db")
+    c = sqlite3.connect(old)
+    (settings,) = c.execute("select settings from runs").fetchone()
+    st = json.loads(settings)
+    del st["ops"]
+    c.execute("update runs set settings=?", (json.dumps(st),))
+    c.execute("insert into runs (device_key, driver, model, dtype, tp, settings, stack, "
+              "stack_key, status, started) select device_key, driver, model, dtype, tp, ?, "
+              "stack, stack_key, 'done', started + 1 from runs",
+              (json.dumps({**st, "ops": ["silu_and_mul"], "cold_weights": True}),))
+    c.execute("update winners set run_id=(select max(id) from runs) where band_hi=1")
+    c.commit()
+    c.close()
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    cmds = hints(p.stderr)
+    assert [c.split()[1] for c in cmds] == ["calibrate", "calibrate", "verify"], cmds
+    whole, cold = cmds[:2]
+    assert "--ops" not in whole and "--cold-weights" not in whole, whole
+    assert "--ops silu_and_mul" in cold and "--cold-weights" in cold, cold
+    assert "--model tiny-qwen3" in whole and "--model tiny-qwen3" in cold
+
+
 def test_hint_refine_skipped_for_old_stack(tiny, tmp_path):
     # two adjacent bands with different winners, measured with another stack
     old = _old_stack(tiny, tmp_path, "refold.db",

@@ -39,6 +39,11 @@ def _settings(run: dict) -> dict:
     return s if isinstance(s, dict) else {}
 
 
+#: a run's timing switches (its settings key -> the ``calibrate`` flag): they choose how a
+#: band is timed, so a re-run must repeat them for the ops they were used for
+TIMING_SWITCHES = {"cold_l2": "--cold-l2", "cold_weights": "--cold-weights"}
+
+
 def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool = True,
                       force: bool = False) -> str:
     """``fltune calibrate`` for ``db_path`` that repeats ``run`` (its model, dtype, tp, op
@@ -59,8 +64,7 @@ def calibrate_command(db_path, run: Optional[dict] = None, *, same_device: bool 
             parts += ["--max-tokens", str(int(st["max_tokens"]))]
         # the timing regime the run chose: a hinted re-run that dropped it would replace
         # cold-timed winners with hot-timed ones
-        parts += [flag for key, flag in (("cold_l2", "--cold-l2"),
-                                         ("cold_weights", "--cold-weights")) if st.get(key)]
+        parts += [flag for key, flag in TIMING_SWITCHES.items() if st.get(key)]
         # a run over a Ray cluster (its settings name the actors) is repeated over one: on
         # the same kind of device only (a hint for another machine repeats the workload, not
         # the fleet), with Ray's own address resolution (RAY_ADDRESS, else this host's)
@@ -87,17 +91,24 @@ def calibrate_hint(db, device_key: Optional[str] = None, driver: Optional[str] =
 
 def workload_commands(db, device_key: str, driver: str) -> list[str]:
     """The ``fltune calibrate`` commands that re-measure everything ``db`` holds winners for
-    on ``device_key`` / ``driver``: one per (model, dtype, tp) — the CLI calibrates one
-    model at a time, and dtype or tp change the workload itself.
+    on ``device_key`` / ``driver``: one per (model, dtype, tp) and timing switches — the
+    CLI calibrates one model at a time, dtype or tp change the workload itself, and the
+    switches how its bands are timed.
 
     Why not :func:`calibrate_hint`: it repeats the newest run, and the newest run is often
     a partial one (``--ops rotary_embedding`` after a rope change), so on a stack change it
     re-measured one op and left every other winner of the DB measured on the old stack.
     Here each command covers the union of its runs' ops: no ``--ops`` at all when one of
     them calibrated the model's whole workload (a run records ``ops`` only when
-    ``--ops`` restricted it), the highest ``--max-tokens`` any of them reached, and the
-    timing switches of the newest (the regime the user chose last; a hinted re-run that
-    dropped them would replace cold-timed winners with hot-timed ones). The runs read are
+    ``--ops`` restricted it) and the highest ``--max-tokens`` any of them reached.
+
+    Runs with different timing switches (``--cold-l2``, ``--cold-weights``) get a command
+    each, in the order of their newest runs: a model whose GEMMs a later ``--ops linear
+    --cold-weights`` run re-timed cold gets its whole-workload command first, then the cold
+    one, so the end state is the one the user built (a band's last race decides its regime,
+    ``CalibrationDB.has_band``). One command with the newest run's switches, as before
+    session 23, re-timed every op that way, and one with none would replace cold-timed
+    winners with hot ones. The runs read are
     those that still hold a winner here: a run whose every band a later one re-measured
     has nothing left to re-measure. With no such run (no run ids in the winners), the
     newest run's command, as :func:`calibrate_hint` gives it. Winners whose run is gone
@@ -113,9 +124,11 @@ def workload_commands(db, device_key: str, driver: str) -> list[str]:
         return [calibrate_hint(db, device_key, driver)]
     groups: dict = {}
     for r in runs:          # db.runs is ordered by id: the last of a group is its newest
-        groups.setdefault((r["model"], r.get("dtype"), r.get("tp")), []).append(r)
+        regime = tuple(bool(_settings(r).get(k)) for k in TIMING_SWITCHES)
+        groups.setdefault((r["model"], r.get("dtype"), r.get("tp"), regime), []).append(r)
     cmds = []
-    for group in groups.values():
+    # a model's regimes in the order the user last ran them (the newest run of each)
+    for group in sorted(groups.values(), key=lambda g: g[-1].get("id") or 0):
         sts = [_settings(r) for r in group]
         ops = (None if any(not s.get("ops") for s in sts)
                else sorted({o for s in sts for o in s["ops"]}))
