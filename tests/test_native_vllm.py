@@ -263,6 +263,8 @@ def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch):
         return real(inputs, dim)
     monkeypatch.setattr(ir.ConcatKernel, "create", counting)
     monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "12")
+    # as on torch 2.11 (the H200's), whatever torch runs the test
+    monkeypatch.setattr(nv, "model_lowers_cat_after_reduction_as_concat", lambda: True)
     spec = OPS["rotary_embedding"]
     dims = {**spec.default_dims, "heads": 2, "kv_heads": 1, "head_size": 32,
             "rotary_dim": 32, "max_position": 40}
@@ -283,6 +285,35 @@ def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch):
     assert "after_qk_norm" not in spec.signature({**dims, "after_qk_norm": True})
 
 
+def test_no_swap_where_torch_lowers_the_models_rope_cat_pointwise(monkeypatch):
+    """From torch 2.12 Inductor lowers a cat that only recombines a reduction's output
+    (q/k norm -> rope) as a pointwise cat in the model too: the candidate then compiles the
+    rope as it would alone, with or without the context dim."""
+    from torch._inductor import ir, lowering
+    from fltune.ops import workload_dims
+
+    made = []
+    real = ir.ConcatKernel.create
+    monkeypatch.setattr(ir.ConcatKernel, "create",
+                        lambda inputs, dim: made.append(len(inputs)) or real(inputs, dim))
+    monkeypatch.setattr(lowering, "_cat_inputs_recombine_reduction", lambda i, d: None,
+                        raising=False)
+    assert not nv.model_lowers_cat_after_reduction_as_concat()
+    monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "12")
+    dims = {**OPS["rotary_embedding"].default_dims, "heads": 2, "kv_heads": 1,
+            "head_size": 48, "rotary_dim": 48, "max_position": 40}
+    args = _inputs("rotary_embedding", 5, torch.float32, dims, seed=8)
+    with workload_dims({**dims, "after_qk_norm": True}), \
+            torch._inductor.config.patch(force_pointwise_cat=True):
+        IMPLS["rotary_embedding"].timed(*args)
+    assert made == []
+
+
+def test_every_concat_context_is_a_context_dim_of_its_op():
+    for op, dim in nv.CONCAT_AFTER.items():
+        assert dim in OPS[op].context_dims, (op, dim)
+
+
 def test_the_lowering_swap_is_undone_after_the_compile():
     from torch._inductor import lowering
 
@@ -292,3 +323,25 @@ def test_the_lowering_swap_is_undone_after_the_compile():
             assert lowering.pointwise_cat is not before
             raise RuntimeError("a compile that fails")
     assert lowering.pointwise_cat is before
+
+
+def test_each_context_gets_its_own_serving_layout_check(monkeypatch):
+    """The parity layout check is cached per (op, signature, ...): the context dims are part
+    of that key, or the ConcatKernel graphs of a Qwen3 rope would never meet the serving
+    layouts after the same shape's check without the context."""
+    from fltune.ops import workload_dims
+
+    monkeypatch.setattr(nv, "model_lowers_cat_after_reduction_as_concat", lambda: True)
+    monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "12")
+    spec, impl = OPS["rotary_embedding"], IMPLS["rotary_embedding"]
+    dims = {**spec.default_dims, "heads": 2, "kv_heads": 1, "head_size": 40,
+            "rotary_dim": 40, "max_position": 40}
+    compiled = []
+    for after in (False, True):
+        d = {**dims, "after_qk_norm": after}
+        n0 = nv.COMPILES[0]
+        with workload_dims(d):
+            res = parity.check_layouts(spec, impl, d, torch.float32, "cpu")
+        assert res.passed, res
+        compiled.append(nv.COMPILES[0] - n0)
+    assert compiled[0] > 0 and compiled[1] > 0, compiled

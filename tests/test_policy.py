@@ -547,3 +547,40 @@ def test_forked_child_starts_unfrozen():
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert json.loads(data) == {"frozen": False, "manifest": None, "set_policy": "ok"}
     assert is_dispatch_frozen()                              # the parent is still frozen
+
+
+def test_a_pick_that_builds_for_the_model_is_called_inside_its_tables_dims():
+    """A candidate that reads the workload dims (native.vllm: the trace size in rows, the
+    rope's cat lowering) gets them at serve time from the manifest table it was picked
+    from, as the race gave them; a candidate that does not is called as registered."""
+    from fltune.ops import current_workload_dims
+
+    seen = {}
+
+    def rec(name):
+        def fn(x, w, eps):
+            seen[name] = dict(current_workload_dims())
+            return x
+        return fn
+    reg = OpRegistry()
+    builds = make_impl("rms_norm", "test.builds", "reference", rec("builds"))
+    builds.reads_workload_dims = True
+    reg.register(builds)
+    reg.register(make_impl("rms_norm", "test.plain", "reference", rec("plain")))
+    dims = {"hidden": 16, "eps": 1e-6, "rows_per_token": 2}
+    manifest = {
+        "format": frozen.MANIFEST_FORMAT,
+        "ops": {"rms_norm": {
+            "tables": [{"dtype": "fp32", "trailing": [16], "rows_per_token": 2, "dims": dims,
+                        "bands": [{"lo": 1, "hi": 4, "impl_id": "test.builds"},
+                                  {"lo": 5, "hi": 64, "impl_id": "test.plain"}]}],
+            "fallback": "test.plain"}},
+    }
+    manifest["fingerprint"] = fingerprint_of(manifest)
+    fd = FrozenDispatch(manifest, reg)
+    w = torch.ones(16)
+    fd.call("rms_norm", torch.ones(4, 16), w, 1e-6)       # 2 tokens: test.builds
+    fd.call("rms_norm", torch.ones(64, 16), w, 1e-6)      # 32 tokens: test.plain
+    assert seen == {"builds": dims, "plain": {}}
+    assert current_workload_dims() == {}
+    assert fd.select("rms_norm", torch.ones(4, 16), w, 1e-6).impl_id == "test.builds"

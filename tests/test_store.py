@@ -299,6 +299,32 @@ def test_has_band_counts_a_band_only_under_the_timing_switches_asked_for(tmp_db_
         db.close()
 
 
+def test_has_band_counts_a_band_only_for_the_context_it_was_raced_for(tmp_db_path):
+    """Context dims are not in the signature, but native.vllm compiles per context: a band
+    raced without ``after_qk_norm`` (another model, or an older fltune) is raced again for
+    a Qwen3 rope, and the other way round; absent, None and False read alike."""
+    import time as _time
+
+    db = CalibrationDB(tmp_db_path)
+    try:
+        db.upsert_device(DEVICE)
+        run = db.start_run(DEVICE, "m", "bf16", 1, {}, {}, "s1")
+        key = (DEVICE["device_key"], DEVICE["driver"], "s1", "rms_norm",
+               "eps=1e-06,hidden=1024", "bf16")
+        db.record_band([_measurement("a", run_id=run)], _winner("a"))     # dims "{}"
+        assert db.has_band(*key, 8, None, {"after_qk_norm": None})
+        assert db.has_band(*key, 8, None, {"after_qk_norm": False})
+        assert not db.has_band(*key, 8, None, {"after_qk_norm": True})
+        _time.sleep(0.01)
+        db.record_band([_measurement("a", run_id=run, dims='{"after_qk_norm": true}')],
+                       _winner("a"))
+        assert db.has_band(*key, 8, None, {"after_qk_norm": True})
+        assert not db.has_band(*key, 8, {}, {"after_qk_norm": None})
+        assert db.has_band(*key, 8)                    # no context asked: any race counts
+    finally:
+        db.close()
+
+
 def test_has_band_reads_the_last_race_of_a_band_and_survives_odd_settings(tmp_db_path):
     """Rows are kept per candidate, so a band can hold a candidate's row from an older run
     (it left the field) beside the newer race's: the regime is the last race's. A run whose

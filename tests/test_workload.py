@@ -168,6 +168,15 @@ def test_flat_config_and_fixture_dir():
     assert "after_qk_norm" not in item.signature and "rotary_dim=32" in item.signature
 
 
+def test_qwen3_next_rope_follows_its_qk_norms(tmp_path):
+    cfg = _profile(QWEN35)
+    cfg.get("text_config", cfg).get("rope_parameters", {}).pop("mrope_section", None)
+    cfg["model_type"] = "qwen3_next"
+    items = derive(str(_write(tmp_path / "m", cfg))).items
+    (rope,) = [i for i in items if i.op in ("rotary_embedding", "mrope")]
+    assert rope.op == "rotary_embedding" and rope.dims_dict["after_qk_norm"] is True
+
+
 def test_a_rope_without_qk_norms_has_no_after_qk_norm(tmp_path):
     cfg = _profile("tiny-qwen3")
     cfg["model_type"] = "qwen2"

@@ -47,8 +47,9 @@ against the model").
 
 One neighbour's effect is reproduced because it changes the op's own code: where the
 workload says a rope follows a per-head q/k norm (Qwen3: the context dim ``after_qk_norm``),
-its ``torch.cat`` lowers as in the model, a ``ConcatKernel`` (:data:`CONCAT_AFTER`); without
-it the candidate's rope read 1.4x the model's at prefill on the H200.
+its ``torch.cat`` lowers as in the model, a ``ConcatKernel`` (:data:`CONCAT_AFTER`; on
+torch < 2.12, where Inductor makes that choice in the model); without it the candidate's
+rope read 1.4x the model's at prefill on the H200.
 
 What is *not* reproduced: the neighbours vLLM fuses the op with in a model (the gate_up
 GEMM's output slice, residual adds and casts around the norms, the q/k split around
@@ -305,9 +306,10 @@ def _skip_guards():
 
 #: op -> the context dim (``OpSpec.context_dims``) under which vLLM's compiled model lowers
 #: the op's ``torch.cat`` as a ``ConcatKernel``: the rope right after a per-head q/k norm.
-#: Inductor's ``lowering.cat`` builds a pointwise cat (every output element evaluates each
-#: input under masks) unless an input reaches back to a reduction it would have to
-#: recompute. In Qwen3's attention the q/k norm's reduction is upstream of the rope, so the
+#: Inductor's ``lowering.cat`` (torch 2.11) builds a pointwise cat (every output element
+#: evaluates each input under masks) unless an input reaches back to a reduction it would
+#: have to recompute (from torch 2.12 not when the inputs only recombine the reduction's
+#: output: :func:`model_lowers_cat_after_reduction_as_concat`). In Qwen3's attention the q/k norm's reduction is upstream of the rope, so the
 #: model's rope kernel computes one rotated pair per thread and stores both halves
 #: (``x0 = xindex % 64`` at head size 128, a ``ConcatKernel``); the rope compiled alone has
 #: no reduction upstream and gets the pointwise cat, twice the threads (``% 128``). On the
@@ -320,6 +322,20 @@ def _skip_guards():
 #: reach no reduction in the model (and Qwen3.5 fuses its q/k norm and mrope into one
 #: kernel the profiler cannot attribute, so there is no in-model time to check it against).
 CONCAT_AFTER = {"rotary_embedding": "after_qk_norm"}
+
+
+def model_lowers_cat_after_reduction_as_concat() -> bool:
+    """Whether this torch's Inductor lowers a cat whose inputs reach back to a reduction as
+    a ``ConcatKernel`` in every case, as torch 2.11 does (the H200's stack, where session 23
+    read it in vLLM's generated code). torch 2.12 added ``lowering.
+    _cat_inputs_recombine_reduction`` (pytorch PR 179091, "qknorm → RoPE → cat"): a
+    reduction whose output the cat's inputs only recombine no longer forces the
+    ``ConcatKernel``, so there the model's rope gets the pointwise cat the rope compiled
+    alone gets, and :data:`CONCAT_AFTER` must not swap it. Read from the installed torch,
+    not its version number, so a backport reads right too."""
+    from torch._inductor import lowering
+
+    return not hasattr(lowering, "_cat_inputs_recombine_reduction")
 
 
 @contextlib.contextmanager
@@ -335,8 +351,13 @@ def concat_kernel_lowering():
     ``lowering.cat`` (session 22's H200 run on torch 2.11 set the first setting and got the
     pointwise cat again). ``lowering.cat`` calls the module's ``pointwise_cat`` by name on
     every torch since 2.1, so swapping that function is the one switch every version
-    honours. On CPU Inductor never builds a pointwise cat, so the swap changes nothing
-    there."""
+    honours. On CPU Inductor never builds a pointwise cat (unless ``force_pointwise_cat``,
+    as the tests set), so the swap changes nothing there.
+
+    The swap is module-wide while inside: any Inductor compile another thread runs then is
+    lowered the same way (``compiled_graph``'s lock serialises only ``native.vllm``'s
+    builds, and the race compiles its candidates one at a time), and a compile Inductor
+    runs in a subprocess (``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess``) does not see it."""
     from torch._inductor import ir, lowering
 
     original = lowering.pointwise_cat
@@ -345,10 +366,14 @@ def concat_kernel_lowering():
         return ir.TensorBox(ir.ConcatKernel.create(inputs, dim))
     caches = ({"enable_autograd_cache": False}
               if hasattr(torch._functorch.config, "enable_autograd_cache") else {})
+    # every compile cache (local and remote FX graph, AOTAutograd) where torch has the one
+    # switch for them all
+    every = ({"force_disable_caches": True}
+             if hasattr(torch.compiler.config, "force_disable_caches") else {})
     lowering.pointwise_cat = as_concat_kernel
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(**caches):
+                torch._functorch.config.patch(**caches), torch.compiler.config.patch(**every):
             yield
     finally:
         lowering.pointwise_cat = original
@@ -552,7 +577,8 @@ def compiled_graph(op_name: str, args, write_back: bool = True) -> tuple:
     (:data:`CONCAT_AFTER`), which the workload's context dims set."""
     dims = current_workload_dims()
     rows_per_token = int(dims.get("rows_per_token", 1) or 1)
-    concat_kernel = bool(dims.get(CONCAT_AFTER[op_name])) if op_name in CONCAT_AFTER else False
+    concat_kernel = (op_name in CONCAT_AFTER and bool(dims.get(CONCAT_AFTER[op_name]))
+                     and model_lowers_cat_after_reduction_as_concat())
     key = _key(op_name, args) + (("rows_per_token", rows_per_token),
                                  ("write_back", write_back), ("concat_kernel", concat_kernel))
     graph = _graphs.get(key)
@@ -608,7 +634,7 @@ def implementations():
             continue
         impl = OpImpl(op_name=name, impl_id=IMPL_ID, kind=BackendImplKind.REFERENCE,
                       fn=_make_fn(name), priority=PRIORITY, backend="native_vllm",
-                      qualify=_qualify, precision_rank=1,
+                      qualify=_qualify, precision_rank=1, reads_workload_dims=True,
                       timed=_make_timed(name) if name in OUT_OF_PLACE_TIMED else None)
         out.append(impl)
     return out

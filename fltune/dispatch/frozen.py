@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import dataclasses
 import logging
 import os
 import threading
@@ -54,7 +55,8 @@ class FrozenDispatch:
             self._key_arg[op_name] = OPS[op_name].key_arg
             table = {}
             for t in entry.tables:
-                impls = [registry.get(op_name, b.impl_id) for b in t.bands]
+                impls = [_for_table(registry.get(op_name, b.impl_id), t.dims)
+                         for b in t.bands]
                 his = tuple(b.hi * t.rows_per_token for b in t.bands)
                 table[(dtype_from_name(t.dtype), tuple(t.trailing))] = (his[:-1], tuple(impls))
             self._tables[op_name] = table
@@ -77,6 +79,17 @@ class FrozenDispatch:
 
     def ops(self):
         return list(self._tables)
+
+
+def _for_table(impl, dims: dict):
+    """``impl`` as a table's bands call it: one that builds for the served model
+    (``OpImpl.reads_workload_dims``: ``native.vllm``) gets the table's dims, as the race
+    gave them when it measured the pick; any other, itself."""
+    if not impl.reads_workload_dims or not dims:
+        return impl
+    from ..ops import in_workload
+
+    return dataclasses.replace(impl, fn=in_workload(impl.fn, dims))
 
 
 def _selector(table: dict, fallback, key_arg: int, reroute, key_extra=None):

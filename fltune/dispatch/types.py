@@ -89,6 +89,12 @@ class OpImpl:
     #: returns the outputs instead of writing them; the race checks its values too
     #: (:func:`fltune.tune.race.race`) before timing it.
     timed: Optional[Callable[..., Any]] = field(default=None, repr=False)
+    #: whether its first call builds something for the served model (``native.vllm``: the
+    #: trace size in rows, the rope's cat lowering), read from the workload dims
+    #: (``fltune.ops.workload_dims``). The race calls inside them; serving calls it inside
+    #: the dims of the manifest table it was picked from (``dispatch/frozen.py``), or it
+    #: would build as for no model at all (a Qwen3 rope 1.4x slower at prefill)
+    reads_workload_dims: bool = False
 
     def __post_init__(self):
         self.kind = BackendImplKind(self.kind)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from . import activation, gdn, linear, norm, rotary
 from .base import (DTYPE_NAMES, DTYPES, OpSpec, clone_args, current_workload_dims,
-                   dtype_from_name, workload_dims)
+                   dtype_from_name, in_workload, workload_dims)
 
 OPS: dict[str, OpSpec] = {s.name: s for s in (*norm.SPECS, *activation.SPECS, *rotary.SPECS,
                                               *linear.SPECS, *gdn.SPECS)}
@@ -21,4 +21,4 @@ def get_op(name: str) -> OpSpec:
 
 
 __all__ = ["OPS", "OpSpec", "get_op", "clone_args", "dtype_from_name", "DTYPES", "DTYPE_NAMES",
-           "workload_dims", "current_workload_dims"]
+           "workload_dims", "current_workload_dims", "in_workload"]

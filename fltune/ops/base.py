@@ -49,6 +49,22 @@ def current_workload_dims() -> dict:
     return _WORKLOAD_DIMS[-1]
 
 
+def in_workload(fn, dims: dict):
+    """``fn`` called inside ``workload_dims(dims)``, for a dispatch path that calls it on
+    every model step: a list push and pop, not a context manager's generator."""
+    dims = dict(dims or {})
+    push, pop = _WORKLOAD_DIMS.append, _WORKLOAD_DIMS.pop
+
+    def called(*args):
+        push(dims)
+        try:
+            return fn(*args)
+        finally:
+            pop()
+    called.__qualname__ = getattr(fn, "__qualname__", "fn")
+    return called
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -120,6 +136,11 @@ class OpSpec:
     #: manifest's key: a model gaining one keeps its rows). Read by a candidate that
     #: reproduces the model's compile, whose code depends on the neighbours (``native.vllm``)
     context_dims: tuple[str, ...] = ()
+
+    def context(self, dims: dict) -> dict:
+        """The :attr:`context_dims` of ``dims`` (None where absent): what a resume compares
+        besides the signature (``CalibrationDB.has_band``)."""
+        return {k: dims.get(k) for k in self.context_dims}
 
     def signature(self, dims: dict) -> str:
         """A stable text key of the op's model-dependent shape, e.g. 'hidden=1024'

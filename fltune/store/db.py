@@ -450,7 +450,7 @@ class CalibrationDB:
 
     # ---- reads ------------------------------------------------------------------------
     def has_band(self, device_key, driver, stack_key, op, signature, dtype, band_hi,
-                 regime: Optional[dict] = None) -> bool:
+                 regime: Optional[dict] = None, context: Optional[dict] = None) -> bool:
         """Measured already for this device, driver and stack? (what a rerun skips)
 
         ``regime``: the timing switches that change how this band is timed
@@ -462,23 +462,35 @@ class CalibrationDB:
         an older run's row beside the newer ones. Why: a band timed with its weight hot is
         not the band a ``--cold-weights`` run asks for, yet a resume skipped it, so the
         switch silently changed nothing (session 21); the stack is part of the key for the
-        same reason."""
+        same reason.
+
+        ``context``: the item's context dims (``OpSpec.context``, e.g. a rope's
+        ``after_qk_norm``), which are not in the signature; the band counts only if its last
+        race was for the same context (absent, None and False alike). Why: ``native.vllm``
+        compiles differently per context, so a band raced for a model without a q/k norm
+        (or before the context existed) is not the race a Qwen3 rope asks for (session 23)."""
         row = self.db.execute(
-            "select r.settings from measurements m left join runs r on r.id = m.run_id "
+            "select r.settings, m.dims from measurements m left join runs r on r.id = m.run_id "
             "where m.device_key=? and m.driver=? and m.stack_key=? and m.op=? and "
             "m.signature=? and m.dtype=? and m.band_hi=? "
             "order by m.created desc, m.rowid desc limit 1",
             [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchone()
         if row is None:
             return False
+
+        def loaded(text) -> dict:
+            try:
+                d = json.loads(text or "{}")
+            except (TypeError, ValueError):
+                d = {}
+            return d if isinstance(d, dict) else {}
+        if context:
+            raced = loaded(row[1])
+            if any((raced.get(k) or None) != (v or None) for k, v in context.items()):
+                return False
         if not regime:
             return True
-        try:
-            st = json.loads(row[0] or "{}")
-        except (TypeError, ValueError):
-            st = {}
-        if not isinstance(st, dict):
-            st = {}
+        st = loaded(row[0])
         return all(bool(st.get(k, False)) == bool(v) for k, v in regime.items())
 
     def devices(self) -> list[dict]:

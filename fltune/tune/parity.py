@@ -129,7 +129,10 @@ def check_layouts(spec: OpSpec, impl, dims: dict, dtype: torch.dtype, device,
     the token count, and compiling candidates (Inductor) recompile per layout."""
     # keyed by the function itself (held, so its identity cannot be reused), not only the
     # id: two candidates may share an id across registries
-    key = (spec.name, spec.signature(dims), dtype, impl.impl_id, impl.fn, str(device))
+    # (the context dims too: they are not in the signature, and native.vllm compiles other
+    # graphs per context, each of which must meet the serving layouts)
+    key = (spec.name, spec.signature(dims), tuple(sorted(spec.context(dims).items())), dtype,
+           impl.impl_id, impl.fn, str(device))
     hit = _layout_cache.get(key)
     if hit is not None:
         return hit

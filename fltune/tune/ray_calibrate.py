@@ -420,7 +420,8 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
                     if not force and db.has_band(dk, drv, skey, item.op, item.signature,
                                                  item.dtype, band.hi,
                                                  timing_regime(get_op(item.op), band,
-                                                               settings)):
+                                                               settings),
+                                                 get_op(item.op).context(item.dims_dict)):
                         g.skipped += 1
                         skips.append({"op": item.op, "band": band, "signature": item.signature,
                                       "dtype": item.dtype, "last": False})

@@ -228,8 +228,11 @@ def derive(model: str, *, tp: int = 1, dtype: str | None = None,
                 rotary_dim=rot, max_position=max_pos, base=theta, mrope_section=section,
                 interleaved=bool(rope.get("mrope_interleaved", False)))
         else:
+            # (Qwen3-Next: its q/k norms feed the rope as Qwen3's do; the lowering that sets
+            # follows Inductor's rule, measured on Qwen3-0.6B, not on this model)
             add("rotary_embedding", n_full, "full attention rope", heads=h_tp, kv_heads=kv_tp,
-                head_size=head_dim, rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True)
+                head_size=head_dim, rotary_dim=rot, max_position=max_pos, base=theta, is_neox=True,
+                after_qk_norm=True)
         add("rms_norm_gated", n_lin, "gated delta net output norm", hidden=lin_dim,
             rows_per_token=lin_v, eps=eps, group_size=0, norm_before_gate=True)
         add("silu_and_mul", layers, "mlp act_fn", intermediate=i_tp)
