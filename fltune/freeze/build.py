@@ -401,7 +401,10 @@ def _op_entries(rows: list[dict], registry, native: Optional[dict] = None,
     tables: dict = defaultdict(list)
     for (op, dtype, sig), ws in sorted(by_table.items()):
         ws.sort(key=lambda r: r["band_hi"])
-        dims = json.loads(ws[0]["dims"])
+        # the newest race's dims: bands of one signature can hold races for other context
+        # dims (``OpSpec.context_dims``; a band a later run did not reach), and the table's
+        # dims are what serving gives native.vllm (``dispatch/frozen._for_table``)
+        dims = json.loads(max(ws, key=lambda r: r.get("created") or 0)["dims"])
         trailing, rpt = key_shape(op, dims)
         points = [Point(w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],
                         native.get((op, sig, dtype, w["band_hi"]))) for w in ws]
