@@ -55,7 +55,7 @@ class FrozenDispatch:
             self._key_arg[op_name] = OPS[op_name].key_arg
             table = {}
             for t in entry.tables:
-                impls = [_for_table(registry.get(op_name, b.impl_id), t.dims)
+                impls = [for_table(registry.get(op_name, b.impl_id), t.dims)
                          for b in t.bands]
                 his = tuple(b.hi * t.rows_per_token for b in t.bands)
                 table[(dtype_from_name(t.dtype), tuple(t.trailing))] = (his[:-1], tuple(impls))
@@ -81,7 +81,7 @@ class FrozenDispatch:
         return list(self._tables)
 
 
-def _for_table(impl, dims: dict):
+def for_table(impl, dims: dict):
     """``impl`` as a table's bands call it: one that builds for the served model
     (``OpImpl.reads_workload_dims``: ``native.vllm``) gets the table's dims, as the race
     gave them when it measured the pick; any other, itself."""

@@ -403,7 +403,7 @@ def _op_entries(rows: list[dict], registry, native: Optional[dict] = None,
         ws.sort(key=lambda r: r["band_hi"])
         # the newest race's dims: bands of one signature can hold races for other context
         # dims (``OpSpec.context_dims``; a band a later run did not reach), and the table's
-        # dims are what serving gives native.vllm (``dispatch/frozen._for_table``)
+        # dims are what serving gives native.vllm (``dispatch/frozen.for_table``)
         dims = json.loads(max(ws, key=lambda r: r.get("created") or 0)["dims"])
         trailing, rpt = key_shape(op, dims)
         points = [Point(w["band_lo"], w["band_hi"], w["impl_id"], w["median_us"],

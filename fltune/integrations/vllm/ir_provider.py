@@ -147,6 +147,7 @@ class _State:
     implementations its bands name (for ``supports_args``), and the fingerprint."""
 
     def __init__(self, plan, registry=None):
+        from ...dispatch.frozen import for_table
         from ...ops import dtype_from_name
 
         if registry is None:
@@ -161,7 +162,8 @@ class _State:
                 continue
             self.tables[op] = {
                 (dtype_from_name(t.dtype), tuple(t.trailing)):
-                    tuple((b.lo, b.hi, registry.get(op, b.impl_id)) for b in t.bands)
+                    tuple((b.lo, b.hi, for_table(registry.get(op, b.impl_id), t.dims))
+                          for b in t.bands)
                 for t in entry.tables}
 
 
