@@ -20,7 +20,7 @@ import torch
 from fltune.store import device as devmod
 from fltune.dispatch import get_default_manager
 from fltune.dispatch.types import QualifyContext
-from fltune.ops import OPS, dtype_from_name
+from fltune.ops import OPS, dtype_from_name, workload_dims
 from fltune.tune import parity
 from fltune.tune.workload import derive
 
@@ -57,7 +57,10 @@ def main():
                     if why:
                         rec.update(qualified=False, reason=why)
                     else:
-                        r = parity.check(spec, impl.fn, args, dt, reference=ref)
+                        # inside the item's dims, as the race calls (native.vllm builds
+                        # per rows per token and context: ops.workload_dims)
+                        with workload_dims(dims):
+                            r = parity.check(spec, impl.fn, args, dt, reference=ref)
                         rec.update(qualified=True, **r.as_dict())
                         if not r.passed:
                             failures.append(rec)
