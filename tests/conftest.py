@@ -87,6 +87,22 @@ def fresh_manager(fresh_registry) -> OpManager:
 
 
 @pytest.fixture
+def concat_kernels(monkeypatch) -> list:
+    """The input count of every ``ConcatKernel`` Inductor builds while the test runs (how a
+    test sees which way a ``cat`` was lowered)."""
+    from torch._inductor import ir
+
+    made: list = []
+    real = ir.ConcatKernel.create
+
+    def counting(inputs, dim):
+        made.append(len(inputs))
+        return real(inputs, dim)
+    monkeypatch.setattr(ir.ConcatKernel, "create", counting)
+    return made
+
+
+@pytest.fixture
 def tmp_db_path(tmp_path) -> Path:
     return tmp_path / "calib" / "fltune.db"
 

@@ -231,25 +231,31 @@ def test_hint_stack_changed_re_measures_every_run_and_model(tiny, tmp_path):
     assert "software stack changed" not in p.stderr
 
 
-def test_hint_stack_changed_whole_workload_run_needs_no_ops(tiny, tmp_path):
-    # a run that calibrated the whole workload records no ops: the model's command then has
-    # no --ops, whatever op subsets its other runs had
-    old = _old_stack(tiny, tmp_path, "whole.db")
+def _whole_run_then_one_op(tiny, tmp_path, name, later: dict):
+    """The tiny DB on an old stack, its run made a whole-workload one (no ``ops``
+    recorded), then a later run of silu_and_mul with ``later`` settings that still holds
+    a winner (the 1-token band). Returns the hints freeze prints."""
+    old = _old_stack(tiny, tmp_path, name)
     c = sqlite3.connect(old)
     (settings,) = c.execute("select settings from runs").fetchone()
     st = json.loads(settings)
     del st["ops"]
     c.execute("update runs set settings=?", (json.dumps(st),))
-    # a later run of one op that still holds a winner (the 1-token band)
     c.execute("insert into runs (device_key, driver, model, dtype, tp, settings, stack, "
               "stack_key, status, started) select device_key, driver, model, dtype, tp, ?, "
               "stack, stack_key, 'done', started + 1 from runs",
-              (json.dumps({**st, "ops": ["silu_and_mul"], "max_tokens": 4}),))
+              (json.dumps({**st, "ops": ["silu_and_mul"], **later}),))
     c.execute("update winners set run_id=(select max(id) from runs) where band_hi=1")
     c.commit()
     c.close()
     p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
-    cmds = hints(p.stderr)
+    return hints(p.stderr)
+
+
+def test_hint_stack_changed_whole_workload_run_needs_no_ops(tiny, tmp_path):
+    # a run that calibrated the whole workload records no ops: the model's command then has
+    # no --ops, whatever op subsets its other runs had
+    cmds = _whole_run_then_one_op(tiny, tmp_path, "whole.db", {"max_tokens": 4})
     assert [c.split()[1] for c in cmds] == ["calibrate", "verify"], cmds
     assert "--model tiny-qwen3" in cmds[0] and "--ops" not in cmds[0], cmds[0]
     assert "--max-tokens 16" in cmds[0], cmds[0]
@@ -259,21 +265,7 @@ def test_hint_stack_changed_keeps_each_runs_timing_switches(tiny, tmp_path):
     # a whole-workload run, then one op re-timed with --cold-weights (which still holds the
     # 1-token band): one command per timing regime, the newest regime's last, so following
     # them re-times that op cold again instead of hot (or every op cold)
-    old = _old_stack(tiny, tmp_path, "regimes.db")
-    c = sqlite3.connect(old)
-    (settings,) = c.execute("select settings from runs").fetchone()
-    st = json.loads(settings)
-    del st["ops"]
-    c.execute("update runs set settings=?", (json.dumps(st),))
-    c.execute("insert into runs (device_key, driver, model, dtype, tp, settings, stack, "
-              "stack_key, status, started) select device_key, driver, model, dtype, tp, ?, "
-              "stack, stack_key, 'done', started + 1 from runs",
-              (json.dumps({**st, "ops": ["silu_and_mul"], "cold_weights": True}),))
-    c.execute("update winners set run_id=(select max(id) from runs) where band_hi=1")
-    c.commit()
-    c.close()
-    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
-    cmds = hints(p.stderr)
+    cmds = _whole_run_then_one_op(tiny, tmp_path, "regimes.db", {"cold_weights": True})
     assert [c.split()[1] for c in cmds] == ["calibrate", "calibrate", "verify"], cmds
     whole, cold = cmds[:2]
     assert "--ops" not in whole and "--cold-weights" not in whole, whole

@@ -413,22 +413,15 @@ def test_the_layer_pair_variant_follows_the_models_kernels():
         "layer_pair", 1.0)
 
 
-def test_the_swapped_lowering_compiles_a_rope_that_computes_right(monkeypatch):
+def test_the_swapped_lowering_compiles_a_rope_that_computes_right(concat_kernels):
     """Where Inductor would build a pointwise cat (forced here: on CPU it never does), the
     swap builds a ConcatKernel instead, and the rope compiled that way still computes
     native.vllm's rotated (query, key)."""
     import torch
-    from torch._inductor import ir
     from fltune.backends import native_vllm as nv
     from fltune.ops import OPS, workload_dims
 
-    made = []
-    real = ir.ConcatKernel.create
-
-    def counting(inputs, dim):
-        made.append(len(inputs))
-        return real(inputs, dim)
-    monkeypatch.setattr(ir.ConcatKernel, "create", counting)
+    made = concat_kernels
     dims = dict(heads=2, kv_heads=1, head_size=16, rotary_dim=16, max_position=32,
                 base=10000.0, is_neox=True)
     gen = torch.Generator().manual_seed(4)

@@ -246,22 +246,16 @@ def test_the_race_times_timed_and_checks_it_first():
     assert used["timed"] > 3 and calls_fn < used["timed"]    # timed is what was timed
 
 
-def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch):
+def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch,
+                                                                      concat_kernels):
     """Where the workload says the rope follows a per-head q/k norm (Qwen3's
     ``after_qk_norm``), its graph is compiled with the cat lowered as a ConcatKernel, as
     Inductor lowers it inside vLLM's model; without it, as Inductor lowers a rope alone
     (a pointwise cat where Inductor would build one: forced here, as on CPU it never does).
     Both compute the same values, and the context is part of the graph's key."""
-    from torch._inductor import ir
     from fltune.ops import workload_dims
 
-    made = []
-    real = ir.ConcatKernel.create
-
-    def counting(inputs, dim):
-        made.append(len(inputs))
-        return real(inputs, dim)
-    monkeypatch.setattr(ir.ConcatKernel, "create", counting)
+    made = concat_kernels
     monkeypatch.setenv("FLTUNE_NATIVE_TRACE_TOKENS", "12")
     # as on torch 2.11 (the H200's), whatever torch runs the test
     monkeypatch.setattr(nv, "model_lowers_cat_after_reduction_as_concat", lambda: True)
@@ -285,17 +279,14 @@ def test_a_rope_after_a_qk_norm_compiles_its_cat_as_the_model_does(monkeypatch):
     assert "after_qk_norm" not in spec.signature({**dims, "after_qk_norm": True})
 
 
-def test_no_swap_where_torch_lowers_the_models_rope_cat_pointwise(monkeypatch):
+def test_no_swap_where_torch_lowers_the_models_rope_cat_pointwise(monkeypatch,
+                                                                   concat_kernels):
     """From torch 2.12 Inductor lowers a cat that only recombines a reduction's output
     (q/k norm -> rope) as a pointwise cat in the model too: the candidate then compiles the
     rope as it would alone, with or without the context dim."""
-    from torch._inductor import ir, lowering
+    from torch._inductor import lowering
     from fltune.ops import workload_dims
 
-    made = []
-    real = ir.ConcatKernel.create
-    monkeypatch.setattr(ir.ConcatKernel, "create",
-                        lambda inputs, dim: made.append(len(inputs)) or real(inputs, dim))
     monkeypatch.setattr(lowering, "_cat_inputs_recombine_reduction", lambda i, d: None,
                         raising=False)
     assert not nv.model_lowers_cat_after_reduction_as_concat()
@@ -306,7 +297,7 @@ def test_no_swap_where_torch_lowers_the_models_rope_cat_pointwise(monkeypatch):
     with workload_dims({**dims, "after_qk_norm": True}), \
             torch._inductor.config.patch(force_pointwise_cat=True):
         IMPLS["rotary_embedding"].timed(*args)
-    assert made == []
+    assert concat_kernels == []
 
 
 def test_every_concat_context_is_a_context_dim_of_its_op():
