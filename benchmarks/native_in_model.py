@@ -461,18 +461,10 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
             "captured": captured, "rounds": n}
 
 
-def concat_kernel_lowering():
-    """Inductor's ``cat`` lowered as a ``ConcatKernel`` inside (the candidate's own switch,
-    :func:`fltune.backends.native_vllm.concat_kernel_lowering`; session 22 built it here,
-    session 23's H200 run showed it reads the model's rope, and the candidate now uses it)."""
-    from fltune.backends import native_vllm as nv
-    return nv.concat_kernel_lowering()
-
-
 def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     """vLLM's native rope (``op``'s native.vllm function, out of place as the race times it)
     compiled as :mod:`fltune.backends.native_vllm` does, except that ``torch.cat`` lowers to a
-    ``ConcatKernel`` (:func:`concat_kernel_lowering`). Returns ``run(*args)``.
+    ``ConcatKernel`` (``native_vllm.concat_kernel_lowering``). Returns ``run(*args)``.
 
     Why: session 22 read both sides' generated code for Qwen3-0.6B at prefill, where the
     candidate's rope reads 1.4x the model's kernel in 2 of 3 compiles of the model. The model's
@@ -491,8 +483,8 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     xindex % 128`` under masks, 1.43x / 1.46x the model at 2048 / 8192 tokens): it set
     ``max_pointwise_cat_inputs`` alone, which does not reach a two-input cat on that torch.
     So the hypothesis was not tested; the lowering is now swapped where every torch honours
-    it (:func:`concat_kernel_lowering`), and :func:`qk_norm_rope_graph` tests it with the
-    model's own neighbour too.
+    it (``native_vllm.concat_kernel_lowering``), and :func:`qk_norm_rope_graph` tests it
+    with the model's own neighbour too.
 
     Session 23's H200 run answered: this graph read 1.099 / 1.030 / 0.917 of the model's
     rope at 16 / 2048 / 8192 tokens in step (the candidate then 0.939 / 1.428 / 1.439), and
@@ -519,7 +511,7 @@ def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
     n_trace = trace_tokens or nv.trace_tokens(args[tensor_idx[0]].device.type)
     first = [nv._with_tokens(a, dims[i], n_trace) if i in dims else a
              for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    with concat_kernel_lowering():
+    with nv.concat_kernel_lowering():
         compiled = compile_as_native(rope, f"native_vllm_{op}_concat", first,
                                      {j: dims[i] for j, i in enumerate(tensor_idx) if i in dims})
 

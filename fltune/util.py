@@ -22,6 +22,17 @@ ENGINE_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def json_object(text) -> dict:
+    """A DB column holding a JSON object (a run's settings, a row's dims) as a dict: {} for
+    NULL, text that is not JSON, or JSON that is not an object (a hand-edited or foreign
+    row reads as "nothing recorded", never as a crash)."""
+    try:
+        d = json.loads(text or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
 def has_sqlite_header(path) -> bool:
     """The file starts with SQLite's 16-byte magic (False when it cannot be read).
 

@@ -364,33 +364,6 @@ def test_the_q_k_norm_and_rope_subgraph_computes_the_attention_blocks_q_and_k():
     assert not torch.allclose(q, qn)      # it rotated
 
 
-def test_the_concat_kernel_lowering_is_swapped_in_and_back():
-    """Inside the context Inductor's pointwise cat builds a ConcatKernel (the model's
-    lowering of the rope's cat) and the FX graph cache is off; after it, both are back."""
-    import torch
-    from torch._inductor import ir, lowering
-
-    original = lowering.pointwise_cat
-    cache = torch._inductor.config.fx_graph_cache
-    made = []
-    real_create = ir.ConcatKernel.create
-
-    def spy(inputs, dim):
-        made.append(dim)
-        return "concat-kernel"
-    with nim.concat_kernel_lowering():
-        assert lowering.pointwise_cat is not original
-        assert torch._inductor.config.fx_graph_cache is False
-        ir.ConcatKernel.create = spy
-        try:
-            out = lowering.pointwise_cat(["a", "b"], 1)
-        finally:
-            ir.ConcatKernel.create = real_create
-    assert made == [1] and out.data == "concat-kernel"
-    assert lowering.pointwise_cat is original
-    assert torch._inductor.config.fx_graph_cache == cache
-
-
 def _pair_doc(model_kernel: str):
     """A fused-add norm row with both layer-pair variants and one model kernel."""
     row = {"op": "fused_add_rms_norm", "signature": "s", "scenario": "prefill_8192",

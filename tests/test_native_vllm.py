@@ -305,6 +305,32 @@ def test_every_concat_context_is_a_context_dim_of_its_op():
         assert dim in OPS[op].context_dims, (op, dim)
 
 
+def test_the_concat_kernel_lowering_is_swapped_in_and_back():
+    """Inside the context Inductor's pointwise cat builds a ConcatKernel (the model's
+    lowering of the rope's cat) and the FX graph cache is off; after it, both are back."""
+    from torch._inductor import ir, lowering
+
+    original = lowering.pointwise_cat
+    cache = torch._inductor.config.fx_graph_cache
+    made = []
+    real_create = ir.ConcatKernel.create
+
+    def spy(inputs, dim):
+        made.append(dim)
+        return "concat-kernel"
+    with nv.concat_kernel_lowering():
+        assert lowering.pointwise_cat is not original
+        assert torch._inductor.config.fx_graph_cache is False
+        ir.ConcatKernel.create = spy
+        try:
+            out = lowering.pointwise_cat(["a", "b"], 1)
+        finally:
+            ir.ConcatKernel.create = real_create
+    assert made == [1] and out.data == "concat-kernel"
+    assert lowering.pointwise_cat is original
+    assert torch._inductor.config.fx_graph_cache == cache
+
+
 def test_the_lowering_swap_is_undone_after_the_compile():
     from torch._inductor import lowering
 

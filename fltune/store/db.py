@@ -69,7 +69,7 @@ from typing import Iterable, Optional
 
 import sqlite_utils
 
-from ..util import has_sqlite_header
+from ..util import has_sqlite_header, json_object
 
 SCHEMA_VERSION = 6
 DEFAULT_DB = os.environ.get("FLTUNE_DB_PATH",
@@ -477,20 +477,13 @@ class CalibrationDB:
             [device_key, driver, stack_key, op, signature, dtype, band_hi]).fetchone()
         if row is None:
             return False
-
-        def loaded(text) -> dict:
-            try:
-                d = json.loads(text or "{}")
-            except (TypeError, ValueError):
-                d = {}
-            return d if isinstance(d, dict) else {}
         if context:
-            raced = loaded(row[1])
+            raced = json_object(row[1])
             if any((raced.get(k) or None) != (v or None) for k, v in context.items()):
                 return False
         if not regime:
             return True
-        st = loaded(row[0])
+        st = json_object(row[0])
         return all(bool(st.get(k, False)) == bool(v) for k, v in regime.items())
 
     def devices(self) -> list[dict]:

@@ -11,6 +11,8 @@ import json
 import shlex
 from typing import Optional
 
+from ..util import json_object
+
 #: the model a hint names when the DB cannot say (no DB yet, or no run in it): the first
 #: built-in profile README's first hour calibrates
 DEFAULT_MODEL = "Qwen3.5-0.8B"
@@ -32,11 +34,7 @@ def last_run(db, device_key: Optional[str] = None, driver: Optional[str] = None)
 
 
 def _settings(run: dict) -> dict:
-    try:
-        s = json.loads(run.get("settings") or "{}")
-    except (TypeError, ValueError):
-        return {}
-    return s if isinstance(s, dict) else {}
+    return json_object(run.get("settings"))
 
 
 #: a run's timing switches (its settings key -> the ``calibrate`` flag): they choose how a

@@ -126,10 +126,10 @@ def calibrate(model: str, db_path: str, *, tp: int = 1, dtype: Optional[str] = N
             dims = item.dims_dict
             sig = item.signature
             dt = dtype_from_name(item.dtype)
+            spec = get_op(item.op)
             if not force and db.has_band(dev["device_key"], dev["driver"], skey, item.op, sig,
-                                         item.dtype, band.hi,
-                                         timing_regime(get_op(item.op), band, settings),
-                                         get_op(item.op).context(dims)):
+                                         item.dtype, band.hi, timing_regime(spec, band, settings),
+                                         spec.context(dims)):
                 result.skipped += 1
                 cached.append((item.op, band))
                 if progress:
