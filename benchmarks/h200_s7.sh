@@ -394,14 +394,17 @@ fiops) {
   # the shipped DB had raced without them, both models, into the shipped DB's copy (--force:
   # the bands are re-raced with every candidate, the old rows replaced)
   shipped_db
-  # (OPS35= or OPS06= empty skips that model: session 23 re-raced Qwen3-0.6B's rope alone)
+  # (OPS35= or OPS06= empty skips that model: session 23 re-raced Qwen3-0.6B's rope alone;
+  # FORCE=0 resumes instead: only bands missing, or raced for another context or timing
+  # regime, are raced, e.g. MAXTOK=16384 for a band above the last race's)
   for spec in "Qwen3.5-0.8B:${OPS35-gemma_rms_norm,gemma_fused_add_rms_norm,silu_and_mul}" \
               "Qwen3-0.6B:${OPS06-silu_and_mul,rotary_embedding}"; do
     [ -n "${spec#*:}" ] || continue
     left=$(( $(call_left) - 20 ))
-    el "calibrate ${spec%%:*} ${spec#*:} --force ($left s left)"
+    el "calibrate ${spec%%:*} ${spec#*:} FORCE=${FORCE:-1} ($left s left)"
     [ $left -gt 30 ] && timeout $left python3 -m fltune calibrate --model "${spec%%:*}" --db $DB \
-      --ops "${spec#*:}" --max-tokens ${MAXTOK:-8192} --force --quiet --json \
+      --ops "${spec#*:}" --max-tokens ${MAXTOK:-8192} $([ "${FORCE:-1}" = 1 ] && echo --force) \
+      --quiet --json \
       > "$W/calibrate-${spec%%:*}.json"; echo "calibrate rc=$?"
   done
   python3 -m fltune report --db $DB --wide 2>&1 | grep -B2 -A20 "silu_and_mul\|gemma\|rotary" | head -150

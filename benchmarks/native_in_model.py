@@ -380,13 +380,14 @@ def native_function(op: str):
     return nv.sources()[op][0]
 
 
-def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None = None):
+def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None = None,
+                     shapes: dict | None = None):
     """vLLM's native ``op`` (a fused-add norm) twice, as one piecewise subgraph of a decoder
     layer holds it, compiled the way :mod:`fltune.backends.native_vllm` compiles the op
     alone (vLLM's Inductor options, only the token dimension dynamic, traced first at vLLM's
     ``max_num_batched_tokens``). Returns ``(run, inputs)``: ``run(*inputs)`` returns the
-    second norm's ``(out, residual)``; ``inputs`` are built like ``args`` (a call of the op)
-    at the call's token count.
+    second norm's ``(out, residual)``; ``inputs`` (:func:`pair_inputs`) are built like
+    ``args`` (a call of the op) at the call's token count.
 
     Why: session 21 read vLLM's generated code for Qwen3.5 and found that Inductor does not
     compile a layer's two fused-add norms as two calls of one kernel. Between the
@@ -398,11 +399,21 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
     input (vLLM's in-place buffer at the subgraph's boundary: Inductor fuses that copy into
     the last kernel that reads o_proj's output). The model's per-call time is the two
     kernels' average, which a single-op candidate cannot reproduce. This graph has the same
-    structure: ``o = src @ w_o`` (o_proj), norm 1 on ``(o, residual)``, ``d = h1 @ w_mid``
-    (the MLP, one GEMM: an extern kernel between the norms is what keeps Inductor from
-    fusing them into one reduction), norm 2 on ``(d, r1)``, and with ``copy`` the copy of
-    ``o`` into ``boundary`` (a graph input), so the triton kernels it compiles are the
-    model's pair."""
+    structure: ``o = src @ w_o`` (o_proj), norm 1 on ``(o, residual)``, the MLP, norm 2 on
+    ``(d, r1)``, and with ``copy`` the copy of ``o`` into ``boundary`` (a graph input), so
+    the triton kernels it compiles are the model's pair. An extern GEMM between the norms is
+    what keeps Inductor from fusing them into one reduction.
+
+    ``shapes`` (:func:`layer_shapes`: ``{"o_in", "intermediate"}``) gives the graph the
+    model's own MLP and o_proj: ``gate_up = h1 @ w_gate_up`` (hidden x 2*intermediate),
+    ``silu(gate) * up`` (Inductor's one pointwise kernel, as the model's
+    ``mul_silu_slice``), ``d = act @ w_down``; o_proj reads ``o_in`` columns. Without it the
+    MLP is one hidden x hidden GEMM and o_proj hidden x hidden (sessions 22-23). Why the
+    model's shapes: the pair read the model's norms within 1 % at 16 and 64 tokens but 0.84
+    of them at one token (both models, session 23), where the norm kernels are 1.4-1.8 µs
+    and what runs between them decides what they find in L2 and behind them: the model's
+    MLP streams ~18 MiB of weights between the two norms through cuBLAS's split-K kernels
+    at one token, the stand-in 2 MiB through one plain GEMM."""
     import torch
     from fltune.backends import native_vllm as nv
 
@@ -412,40 +423,85 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
     x, _res, _weight, eps = args
     dev = x.device
     eps = float(eps)
+    inter = int(shapes["intermediate"]) if shapes else None
 
-    def pair(src, w_o, residual, w_mid, weight1, weight2, boundary):
+    def pair(src, w_o, residual, weight1, weight2, boundary, *mlp):
         o = torch.mm(src, w_o)
         h1, r1 = fn(o, residual, weight1, eps)
-        d = torch.mm(h1, w_mid)
+        if inter is None:
+            d = torch.mm(h1, mlp[0])
+        else:
+            gate_up = torch.mm(h1, mlp[0])
+            act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            d = torch.mm(act, mlp[1])
         h2, r2 = fn(d, r1, weight2, eps)
         if copy:
             boundary.copy_(o)
         return h2, r2
 
-    first = pair_inputs(args, trace_tokens or nv.trace_tokens(dev.type))
+    first = pair_inputs(args, trace_tokens or nv.trace_tokens(dev.type), shapes)
     # src, residual, boundary: the token dims
-    compiled = compile_as_native(pair, f"native_vllm_{op}_layer_pair", first, {0: 0, 2: 0, 6: 0})
-    return compiled, pair_inputs(args)
+    compiled = compile_as_native(pair, f"native_vllm_{op}_layer_pair", first, {0: 0, 2: 0, 5: 0})
+    return compiled, pair_inputs(args, shapes=shapes)
 
 
-def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | None = None) -> dict:
+def layer_shapes(items) -> dict | None:
+    """``{"o_in", "intermediate"}`` of a workload's decoder layer for
+    :func:`layer_pair_graph`'s ``shapes``: the MLP's intermediate size from its
+    ``silu_and_mul``, o_proj's input width from the attention rope's heads x head size
+    (Qwen3.5's gated-delta-net out_proj reads the same width: 16 value heads x 128). None
+    without an MLP item (the pair then keeps its hidden x hidden stand-in)."""
+    inter = o_in = None
+    for it in items:
+        d = it.dims_dict if hasattr(it, "dims_dict") else dict(it)
+        op = getattr(it, "op", d.get("op"))
+        if op == "silu_and_mul" and "intermediate" in d:
+            inter = int(d["intermediate"])
+        elif op in ("rotary_embedding", "mrope") and {"heads", "head_size"} <= set(d):
+            o_in = int(d["heads"]) * int(d["head_size"])
+    if inter is None:
+        return None
+    return {"o_in": o_in, "intermediate": inter}
+
+
+#: the layer-pair variants each fused-add norm row records, {name: (boundary copy, model's
+#: MLP shapes)}: the stand-in MLP of sessions 22-23 with and without the copy, and the
+#: model's own MLP and o_proj (:func:`layer_shapes`) with and without it
+PAIR_VARIANTS = {"copy": (True, False), "no_copy": (False, False),
+                 "mlp_copy": (True, True), "mlp_no_copy": (False, True)}
+
+
+#: each variant's key stem in the validation table (``native_<stem>_us``,
+#: ``<stem>_vs_model``; the first two as sessions 22-23 wrote them)
+_PAIR_KEYS = {"copy": "layer_pair", "no_copy": "layer_pair_no_copy",
+              "mlp_copy": "layer_pair_mlp", "mlp_no_copy": "layer_pair_mlp_no_copy"}
+#: a variant and the one that differs from it by the copy alone: a pair is judged only where
+#: both were recorded (a run that recorded one may have failed the other)
+PAIR_TWIN = {"copy": "no_copy", "no_copy": "copy",
+             "mlp_copy": "mlp_no_copy", "mlp_no_copy": "mlp_copy"}
+
+
+def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | None = None,
+               shapes: dict | None = None) -> dict:
     """The model's pair of fused-add norm kernels (:func:`layer_pair_graph`), in step: each
-    round overwrites :data:`STEP_FLUSH_BYTES` first (L2 evicted: the residual and both GEMMs'
+    round overwrites :data:`STEP_FLUSH_BYTES` first (L2 evicted: the residual and the GEMMs'
     weights come from memory, as in a model step), then runs the subgraph; ``n`` rounds in
-    one CUDA graph, profiled. The generated Triton kernels are the pair (the GEMMs are
-    cuBLAS's, the flush a fill): ``per_call_us`` is their time per round over the two norm
-    calls a round makes, the figure to set beside the model's per-call average; ``kernels``
-    each one's µs per round. ``graphs`` caches the compiled subgraph per (op, signature,
-    copy): it serves every token count."""
+    one CUDA graph, profiled. The generated Triton kernels holding a norm are the pair (the
+    GEMMs are cuBLAS's, the flush a fill, the MLP's activation a ``silu`` kernel, left out):
+    ``per_call_us`` is their time per round over the two norm calls a round makes, the
+    figure to set beside the model's per-call average; ``kernels`` each one's µs per round,
+    ``others`` the rest of the round's kernels. ``graphs`` caches the compiled subgraph per
+    (op, signature, copy, shapes): it serves every token count."""
     import torch
 
     try:
-        key = (op, tuple(args[0].shape[1:]), args[0].dtype, copy)
+        key = (op, tuple(args[0].shape[1:]), args[0].dtype, copy,
+               tuple(sorted((shapes or {}).items())))
         cache = graphs if graphs is not None else {}
         if key not in cache:
-            cache[key] = layer_pair_graph(op, args, copy=copy)[0]
+            cache[key] = layer_pair_graph(op, args, copy=copy, shapes=shapes)[0]
         compiled = cache[key]
-        ins = pair_inputs(args)     # at the call's token count: the graph is dynamic in it
+        ins = pair_inputs(args, shapes=shapes)  # at the call's token count: dynamic in it
         flush = torch.empty(STEP_FLUSH_BYTES, dtype=torch.int8, device="cuda")
 
         def rounds(k):
@@ -455,10 +511,12 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
         p, captured = profile_rounds(rounds, n)
     except Exception as e:      # a row, not the end
         return {"raised": f"{type(e).__name__}: {e}"[:300]}
-    own = {k: v for k, v in per_call(kernels_of(p), n).items() if k.startswith("triton_")}
+    every = per_call(kernels_of(p), n)
+    own = {k: v for k, v in every.items() if k.startswith("triton_") and "silu" not in k}
     total = sum(v[1] for v in own.values())
     return {"kernels": own, "per_call_us": round(total / 2, 3), "copy": copy,
-            "captured": captured, "rounds": n}
+            "shapes": shapes, "captured": captured, "rounds": n,
+            "others": {k: v for k, v in every.items() if k not in own}}
 
 
 def rope_concat_graph(op: str, args, trace_tokens: int | None = None):
@@ -600,24 +658,31 @@ def qk_norm_rope(args) -> dict:
             "total_us": kernel_us(step) if isinstance(step, dict) else None}
 
 
-def pair_inputs(args, tokens: int | None = None) -> list:
+def pair_inputs(args, tokens: int | None = None, shapes: dict | None = None) -> list:
     """The inputs of :func:`layer_pair_graph`'s subgraph for a call ``args`` of the op, at
-    its token count or ``tokens``: o_proj's source and weight, the residual, the MLP
-    stand-in's weight, the two norms' weights (the call's), the boundary buffer. Values
-    activation-sized (weights scaled by 1/sqrt(hidden)), drawn from a fixed seed."""
+    its token count or ``tokens``: o_proj's source and weight, the residual, the two norms'
+    weights (the call's), the boundary buffer, then the MLP's weights (one hidden x hidden
+    stand-in, or with ``shapes`` the model's gate_up and down). Values activation-sized
+    (weights scaled by 1/sqrt(input width)), drawn from a fixed seed."""
     import torch
 
     x, _res, weight, _eps = args
     hidden = x.shape[1]
     tokens = tokens or x.shape[0]
+    o_in = int((shapes or {}).get("o_in") or hidden)
     gen = torch.Generator(device=x.device).manual_seed(0)
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=x.device) * scale).to(x.dtype)
-    return [rnd(tokens, hidden), rnd(hidden, hidden, scale=hidden ** -0.5),
-            rnd(tokens, hidden, scale=2.0), rnd(hidden, hidden, scale=hidden ** -0.5),
-            weight.clone(), weight.clone(),
-            torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)]
+    if shapes:
+        inter = int(shapes["intermediate"])
+        mlp = [rnd(hidden, 2 * inter, scale=hidden ** -0.5),
+               rnd(inter, hidden, scale=inter ** -0.5)]
+    else:
+        mlp = [rnd(hidden, hidden, scale=hidden ** -0.5)]
+    return [rnd(tokens, o_in), rnd(o_in, hidden, scale=o_in ** -0.5),
+            rnd(tokens, hidden, scale=2.0), weight.clone(), weight.clone(),
+            torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
 
 
 def gdn_state_bytes(items) -> int:
@@ -728,6 +793,7 @@ def alone(profile: str, scenarios: list, impl_ids: list, ops=None) -> dict:
     discover(reg)
     work = derive(profile)
     gdn_state = gdn_state_bytes(work.items)     # per sequence; 0 without GDN layers
+    shapes = layer_shapes(work.items)          # the layer pair's MLP and o_proj
     pairs: dict = {}        # layer-pair subgraphs, one compile per signature
     seen, rows = set(), []
     for item in work.items:
@@ -817,9 +883,11 @@ def alone(profile: str, scenarios: list, impl_ids: list, ops=None) -> dict:
                             # of it in the model, with and without the boundary copy it fuses
                             if item.op in PAIRED_OPS:
                                 row["kernels_layer_pair"] = {
-                                    "copy": layer_pair(item.op, own_args[iid], graphs=pairs),
-                                    "no_copy": layer_pair(item.op, own_args[iid], copy=False,
-                                                          graphs=pairs)}
+                                    name: layer_pair(item.op, own_args[iid], copy=copy,
+                                                     graphs=pairs,
+                                                     shapes=shapes if mlp else None)
+                                    for name, (copy, mlp) in PAIR_VARIANTS.items()
+                                    if shapes or not mlp}
                 rows.append(row)
                 print(f"ALONE {item.op} {item.signature} {name}: {row['timed']}", flush=True)
     return {"rows": rows}
@@ -915,8 +983,7 @@ def attribute(doc: dict) -> list:
         qk_rope = row.get("kernels_qk_norm_rope") or {}
         kern_qk_rope = qk_rope.get("rope_us")
         pair = row.get("kernels_layer_pair") or {}
-        kern_pair = (pair.get("copy") or {}).get("per_call_us")
-        kern_pair_nc = (pair.get("no_copy") or {}).get("per_call_us")
+        kern_pairs = {name: (pair.get(name) or {}).get("per_call_us") for name in PAIR_VARIANTS}
         entry = {"op": row["op"], "signature": row["signature"], "scenario": row["scenario"],
                  "tokens": row["tokens"], "calls_per_step": row["calls_per_step"],
                  "native_race_us": row["timed"].get("native.vllm"),
@@ -926,8 +993,7 @@ def attribute(doc: dict) -> list:
                  "native_kernel_in_step_us": kern_step,
                  "in_step_captured": step.get("captured"),
                  "native_kernel_in_layer_us": kern_layer,
-                 "native_layer_pair_us": kern_pair,
-                 "native_layer_pair_no_copy_us": kern_pair_nc,
+                 **{f"native_{_PAIR_KEYS[v]}_us": kern_pairs[v] for v in PAIR_VARIANTS},
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
                  "stem_shared_by": len(sharers)}
@@ -964,18 +1030,21 @@ def attribute(doc: dict) -> list:
             if kern_concat:
                 entry["rope_concat_in_step_us"] = kern_concat
                 entry["rope_concat_vs_model"] = round(kern_concat / per_call, 3)
-            if kern_pair:
-                entry["layer_pair_vs_model"] = round(kern_pair / per_call, 3)
-            if kern_pair_nc:
-                entry["layer_pair_no_copy_vs_model"] = round(kern_pair_nc / per_call, 3)
-            if kern_pair and kern_pair_nc:
-                # the variant with the model's structure: with the boundary copy where the
-                # model's kernels carry one (their names say ``copy_``: Qwen3.5's), without
-                # where they do not (Qwen3's)
-                copy = any("copy_" in k for k in model_k)
-                entry["layer_pair_variant"] = "copy" if copy else "no_copy"
-                entry["layer_pair_as_model_vs_model"] = entry[
-                    "layer_pair_vs_model" if copy else "layer_pair_no_copy_vs_model"]
+            for v in PAIR_VARIANTS:
+                if kern_pairs[v]:
+                    entry[f"{_PAIR_KEYS[v]}_vs_model"] = round(kern_pairs[v] / per_call, 3)
+            # the variant with the model's structure: its own MLP where recorded (session 24
+            # on; the stand-in before), with the boundary copy where the model's kernels
+            # carry one (their names say ``copy_``: Qwen3.5's), without where they do not
+            # (Qwen3's)
+            copy = any("copy_" in k for k in model_k)
+            for variant in (("mlp_copy" if copy else "mlp_no_copy"),
+                            ("copy" if copy else "no_copy")):
+                if kern_pairs[variant] and kern_pairs[PAIR_TWIN[variant]]:
+                    entry["layer_pair_variant"] = variant
+                    entry["layer_pair_as_model_vs_model"] = entry[
+                        f"{_PAIR_KEYS[variant]}_vs_model"]
+                    break
         else:
             entry["in_model_us"] = None
             entry["note"] = ("fused with the q/k split and rope in one unnamed kernel per layer"
@@ -1104,8 +1173,9 @@ def print_table(table: list) -> None:
     print("| op | signature | scenario | in-model µs/call | native.vllm kernel µs | ratio "
           "| params cold µs | ratio | in context µs | ratio | in step µs | ratio "
           "| in layer µs | ratio | layer pair µs | ratio | pair w/o copy µs | ratio "
+          "| pair, model's MLP µs | ratio | same w/o copy µs | ratio "
           "| native.vllm race µs | ratio | inductor.standalone race µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 25 + "|")
     for e in table:
         print(f"| {e['op']} | {e['signature']} | {e['scenario']} | {e.get('in_model_us')} | "
               f"{e['native_kernel_us']} | {e.get('kernel_vs_model', '-')} | "
@@ -1116,6 +1186,9 @@ def print_table(table: list) -> None:
               f"{e.get('native_layer_pair_us')} | {e.get('layer_pair_vs_model', '-')} | "
               f"{e.get('native_layer_pair_no_copy_us')} | "
               f"{e.get('layer_pair_no_copy_vs_model', '-')} | "
+              f"{e.get('native_layer_pair_mlp_us')} | {e.get('layer_pair_mlp_vs_model', '-')} | "
+              f"{e.get('native_layer_pair_mlp_no_copy_us')} | "
+              f"{e.get('layer_pair_mlp_no_copy_vs_model', '-')} | "
               f"{e['native_race_us']} | {e.get('race_vs_model', '-')} | "
               f"{e['standalone_race_us']} |")
 

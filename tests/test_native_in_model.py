@@ -245,13 +245,20 @@ def test_producers_refuse_a_position_the_op_does_not_have():
 
 def _pair_eager(op, ins, eps):
     """The layer pair computed op by op, eagerly, with fltune's functional reference."""
+    import torch
     from fltune.ops import OPS
 
     f = OPS[op].functional or OPS[op].reference
-    src, w_o, residual, w_mid, w1, w2, _ = ins
+    src, w_o, residual, w1, w2, _, *mlp = ins
     o = src @ w_o
     h1, r1 = f(o.clone(), residual.clone(), w1, eps)
-    h2, r2 = f(h1 @ w_mid, r1, w2, eps)
+    if len(mlp) == 1:
+        d = h1 @ mlp[0]
+    else:
+        gate_up = h1 @ mlp[0]
+        inter = mlp[1].shape[0]
+        d = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ mlp[1]
+    h2, r2 = f(d, r1, w2, eps)
     return o, h2, r2
 
 
@@ -272,7 +279,7 @@ def test_the_layer_pair_subgraph_computes_two_norms_and_the_boundary_copy():
     o, want_h2, want_r2 = _pair_eager(op, ins, 1e-6)
     torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(r2, want_r2, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ins[6], o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ins[5], o, rtol=1e-5, atol=1e-5)
     # another token count through the same graph, no boundary copy asked: buffer untouched
     run2, ins2 = nim.layer_pair_graph(op, args, copy=False, trace_tokens=16)
     ins2 = nim.pair_inputs(args, tokens=9)
@@ -280,7 +287,35 @@ def test_the_layer_pair_subgraph_computes_two_norms_and_the_boundary_copy():
     _, want_h2, want_r2 = _pair_eager(op, ins2, 1e-6)
     torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(r2, want_r2, rtol=1e-4, atol=1e-4)
-    assert not ins2[6].any()
+    assert not ins2[5].any()
+
+
+def test_the_layer_pair_with_the_models_mlp_computes_the_layer():
+    """With the model's shapes (o_proj's input width, the MLP's intermediate size, read from
+    the workload) the pair's subgraph is o_proj, norm, gate_up, SiLU-and-mul, down, norm:
+    it computes what those compute one after the other, at a token count other than its
+    trace's, with the inputs of those shapes."""
+    import torch
+    from types import SimpleNamespace
+
+    items = [SimpleNamespace(op="silu_and_mul", dims_dict={"intermediate": 48}),
+             SimpleNamespace(op="rotary_embedding", dims_dict={"heads": 3, "head_size": 32}),
+             SimpleNamespace(op="fused_add_rms_norm", dims_dict={"hidden": 64})]
+    shapes = nim.layer_shapes(items)
+    assert shapes == {"o_in": 96, "intermediate": 48}
+    assert nim.layer_shapes(items[1:]) is None      # no MLP item: the stand-in stays
+    op = "fused_add_rms_norm"
+    gen = torch.Generator().manual_seed(5)
+    args = [torch.randn(7, 64, generator=gen), torch.randn(7, 64, generator=gen),
+            torch.randn(64, generator=gen) * 0.1, 1e-6]
+    run, ins = nim.layer_pair_graph(op, args, copy=True, trace_tokens=16, shapes=shapes)
+    assert [tuple(t.shape) for t in ins] == [(7, 96), (96, 64), (7, 64), (64,), (64,),
+                                              (7, 64), (64, 96), (48, 64)]
+    h2, r2 = run(*ins)
+    o, want_h2, want_r2 = _pair_eager(op, ins, 1e-6)
+    torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r2, want_r2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ins[5], o, rtol=1e-5, atol=1e-5)
 
 
 def test_only_fused_add_norms_have_a_layer_pair():
@@ -364,13 +399,14 @@ def test_the_q_k_norm_and_rope_subgraph_computes_the_attention_blocks_q_and_k():
     assert not torch.allclose(q, qn)      # it rotated
 
 
-def _pair_doc(model_kernel: str):
-    """A fused-add norm row with both layer-pair variants and one model kernel."""
+def _pair_doc(model_kernel: str, mlp: dict | None = None):
+    """A fused-add norm row with both stand-in layer-pair variants (and ``mlp``'s: the
+    model-shaped ones) and one model kernel."""
     row = {"op": "fused_add_rms_norm", "signature": "s", "scenario": "prefill_8192",
            "tokens": 8192, "calls_per_step": 2, "timed": {"native.vllm": 14.0},
            "kernels": {"native.vllm": {"triton_per_fused_add_mean_0": [1.0, 14.0]}},
            "kernels_layer_pair": {"copy": {"per_call_us": 18.0},
-                                  "no_copy": {"per_call_us": 16.0}}}
+                                  "no_copy": {"per_call_us": 16.0}, **(mlp or {})}}
     sc = {"tokens": 8192, "kernels": {model_kernel: [2.0, 32.0]}}
     return {"alone": {"rows": [row]}, "in_model": {"scenarios": {"prefill_8192": sc}}}
 
@@ -382,6 +418,26 @@ def test_the_layer_pair_variant_follows_the_models_kernels():
     assert e["layer_pair_variant"] == "copy" and e["layer_pair_as_model_vs_model"] == 1.125
     assert nim.in_model_context(e) == ("layer_pair", 1.125)
     (e,) = nim.attribute(_pair_doc("triton_per_fused_fused_add_rms_norm_2"))
+    assert e["layer_pair_variant"] == "no_copy" and nim.in_model_context(e) == (
+        "layer_pair", 1.0)
+
+
+
+def test_the_layer_pair_with_the_models_mlp_is_the_one_judged_where_recorded():
+    """Where a run recorded the pair with the model's own MLP (both copy variants), that pair
+    is the one judged, the copy again following the model's kernels; where one of the two
+    failed (a row holds ``raised``), the stand-in pair is judged as before."""
+    mlp = {"mlp_copy": {"per_call_us": 20.0}, "mlp_no_copy": {"per_call_us": 17.6}}
+    (e,) = nim.attribute(_pair_doc("triton_per_fused_fused_add_rms_norm_2", mlp))
+    assert e["layer_pair_variant"] == "mlp_no_copy"
+    assert nim.in_model_context(e) == ("layer_pair", 1.1)
+    assert e["native_layer_pair_mlp_us"] == 20.0 and e["layer_pair_mlp_vs_model"] == 1.25
+    (e,) = nim.attribute(_pair_doc("triton_per_fused__to_copy_add_copy__fused_add_rms_norm_3",
+                                   mlp))
+    assert e["layer_pair_variant"] == "mlp_copy" and nim.in_model_context(e) == (
+        "layer_pair", 1.25)
+    half = {"mlp_copy": {"raised": "RuntimeError: x"}, "mlp_no_copy": {"per_call_us": 17.6}}
+    (e,) = nim.attribute(_pair_doc("triton_per_fused_fused_add_rms_norm_2", half))
     assert e["layer_pair_variant"] == "no_copy" and nim.in_model_context(e) == (
         "layer_pair", 1.0)
 
