@@ -407,8 +407,10 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
     ``shapes`` (:func:`layer_shapes`: ``{"o_in", "intermediate"}``) gives the graph the
     model's own MLP and o_proj: ``gate_up = h1 @ w_gate_up`` (hidden x 2*intermediate),
     ``silu(gate) * up`` (Inductor's one pointwise kernel, as the model's
-    ``mul_silu_slice``), ``d = act @ w_down``; o_proj reads ``o_in`` columns. Without it the
-    MLP is one hidden x hidden GEMM and o_proj hidden x hidden (sessions 22-23). Why the
+    ``mul_silu_slice``), ``d = act @ w_down``; o_proj reads ``o_in`` columns; the three GEMMs
+    are ``F.linear`` on ``[out, in]`` weights, as vLLM's linear layers call them (cuBLAS's
+    ``TN`` kernels, the model's). Without it the MLP is one hidden x hidden ``mm`` and o_proj
+    hidden x hidden (sessions 22-23). Why the
     model's shapes: the pair read the model's norms within 1 % at 16 and 64 tokens but 0.84
     of them at one token (both models, session 23), where the norm kernels are 1.4-1.8 µs
     and what runs between them decides what they find in L2 and behind them: the model's
@@ -425,15 +427,19 @@ def layer_pair_graph(op: str, args, copy: bool = True, trace_tokens: int | None 
     eps = float(eps)
     inter = int(shapes["intermediate"]) if shapes else None
 
+    linear = torch.nn.functional.linear
+
     def pair(src, w_o, residual, weight1, weight2, boundary, *mlp):
-        o = torch.mm(src, w_o)
-        h1, r1 = fn(o, residual, weight1, eps)
         if inter is None:
+            o = torch.mm(src, w_o)
+            h1, r1 = fn(o, residual, weight1, eps)
             d = torch.mm(h1, mlp[0])
-        else:
-            gate_up = torch.mm(h1, mlp[0])
+        else:       # vLLM's linear layers: F.linear on [out, in] weights (cuBLAS's TN GEMMs)
+            o = linear(src, w_o)
+            h1, r1 = fn(o, residual, weight1, eps)
+            gate_up = linear(h1, mlp[0])
             act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            d = torch.mm(act, mlp[1])
+            d = linear(act, mlp[1])
         h2, r2 = fn(d, r1, weight2, eps)
         if copy:
             boundary.copy_(o)
@@ -662,7 +668,8 @@ def pair_inputs(args, tokens: int | None = None, shapes: dict | None = None) -> 
     """The inputs of :func:`layer_pair_graph`'s subgraph for a call ``args`` of the op, at
     its token count or ``tokens``: o_proj's source and weight, the residual, the two norms'
     weights (the call's), the boundary buffer, then the MLP's weights (one hidden x hidden
-    stand-in, or with ``shapes`` the model's gate_up and down). Values activation-sized
+    stand-in, or with ``shapes`` the model's gate_up and down, every GEMM weight then
+    ``[out, in]`` for ``F.linear``). Values activation-sized
     (weights scaled by 1/sqrt(input width)), drawn from a fixed seed."""
     import torch
 
@@ -674,15 +681,16 @@ def pair_inputs(args, tokens: int | None = None, shapes: dict | None = None) -> 
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, device=x.device) * scale).to(x.dtype)
-    if shapes:
+    if shapes:      # [out, in], as vLLM's linear layers hold them
         inter = int(shapes["intermediate"])
-        mlp = [rnd(hidden, 2 * inter, scale=hidden ** -0.5),
-               rnd(inter, hidden, scale=inter ** -0.5)]
-    else:
+        w_o = rnd(hidden, o_in, scale=o_in ** -0.5)
+        mlp = [rnd(2 * inter, hidden, scale=hidden ** -0.5),
+               rnd(hidden, inter, scale=inter ** -0.5)]
+    else:           # [in, out] for torch.mm
+        w_o = rnd(o_in, hidden, scale=o_in ** -0.5)
         mlp = [rnd(hidden, hidden, scale=hidden ** -0.5)]
-    return [rnd(tokens, o_in), rnd(o_in, hidden, scale=o_in ** -0.5),
-            rnd(tokens, hidden, scale=2.0), weight.clone(), weight.clone(),
-            torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
+    return [rnd(tokens, o_in), w_o, rnd(tokens, hidden, scale=2.0), weight.clone(),
+            weight.clone(), torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
 
 
 def gdn_state_bytes(items) -> int:

@@ -250,14 +250,16 @@ def _pair_eager(op, ins, eps):
 
     f = OPS[op].functional or OPS[op].reference
     src, w_o, residual, w1, w2, _, *mlp = ins
-    o = src @ w_o
-    h1, r1 = f(o.clone(), residual.clone(), w1, eps)
-    if len(mlp) == 1:
+    if len(mlp) == 1:       # the stand-in: [in, out] weights
+        o = src @ w_o
+        h1, r1 = f(o.clone(), residual.clone(), w1, eps)
         d = h1 @ mlp[0]
-    else:
-        gate_up = h1 @ mlp[0]
-        inter = mlp[1].shape[0]
-        d = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ mlp[1]
+    else:                   # the model's MLP: [out, in] weights, as vLLM's linear layers
+        o = src @ w_o.T
+        h1, r1 = f(o.clone(), residual.clone(), w1, eps)
+        gate_up = h1 @ mlp[0].T
+        inter = mlp[1].shape[1]
+        d = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ mlp[1].T
     h2, r2 = f(d, r1, w2, eps)
     return o, h2, r2
 
@@ -309,8 +311,8 @@ def test_the_layer_pair_with_the_models_mlp_computes_the_layer():
     args = [torch.randn(7, 64, generator=gen), torch.randn(7, 64, generator=gen),
             torch.randn(64, generator=gen) * 0.1, 1e-6]
     run, ins = nim.layer_pair_graph(op, args, copy=True, trace_tokens=16, shapes=shapes)
-    assert [tuple(t.shape) for t in ins] == [(7, 96), (96, 64), (7, 64), (64,), (64,),
-                                              (7, 64), (64, 96), (48, 64)]
+    assert [tuple(t.shape) for t in ins] == [(7, 96), (64, 96), (7, 64), (64,), (64,),
+                                              (7, 64), (96, 64), (64, 48)]
     h2, r2 = run(*ins)
     o, want_h2, want_r2 = _pair_eager(op, ins, 1e-6)
     torch.testing.assert_close(h2, want_h2, rtol=1e-4, atol=1e-4)
