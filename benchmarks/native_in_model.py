@@ -950,6 +950,27 @@ def partner_kernels(sc: dict, op: str):
     return share, copy_us
 
 
+def launch_partners(doc: dict, row: dict, sc: dict):
+    """(the model's kernels holding ``row``'s op, keyed by launch, {key: [launches, µs]};
+    the rows of the scenario that launch any of them) where every launch of the candidate
+    (``kernel_launches``: name, grid, block) is one the model's profile holds; None where
+    one is not (the model launched that kernel otherwise: attribution stays by name).
+
+    Why: GEMMs of different shapes can run one cuBLAS kernel name (Qwen3-0.6B at one token:
+    qkv, n = 4096, and gate_up, n = 6144, both ``nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT``,
+    grids [4, 16] and [4, 24]); by name the model's time was split in proportion to calls,
+    so each row read the two shapes' average (5.21 µs for 4.85 and 5.58). Their launch
+    shapes tell them apart, as they do Inductor's reused kernel names (:func:`kernels_of`)."""
+    own = (row.get("kernel_launches") or {}).get("native.vllm") or {}
+    launches = sc.get("kernel_launches") or {}
+    if not own or not set(own) <= set(launches):
+        return None
+    keys = set(own)
+    sharers = [r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
+               and keys & set((r.get("kernel_launches") or {}).get("native.vllm") or {})]
+    return {k: launches[k] for k in sorted(keys)}, sharers
+
+
 def attribute(doc: dict) -> list:
     """The validation table: per (op, signature, scenario) native.vllm's race time and
     kernel time per call against the model's kernel time per call for the same stems."""
@@ -976,6 +997,11 @@ def attribute(doc: dict) -> list:
             r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
             and isinstance(r["kernels"].get("native.vllm"), dict)
             and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
+        attributed_by = "name"
+        by_launch = launch_partners(doc, row, sc) if len(sharers) > 1 else None
+        if by_launch is not None:
+            model_k, sharers = by_launch
+            attributed_by = "launch"
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
         n_calls = model_calls(model_k)
         model_us = sum(v[1] for v in model_k.values())
@@ -1004,7 +1030,7 @@ def attribute(doc: dict) -> list:
                  **{f"native_{_PAIR_KEYS[v]}_us": kern_pairs[v] for v in PAIR_VARIANTS},
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
-                 "stem_shared_by": len(sharers)}
+                 "stem_shared_by": len(sharers), "attributed_by": attributed_by}
         if copy_us is not None:
             entry["in_model_copy_us"] = round(copy_us, 3)
         # the launch configurations on both sides (grid, block), where both were recorded:

@@ -465,3 +465,37 @@ def test_the_swapped_lowering_compiles_a_rope_that_computes_right(concat_kernels
         *[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+
+
+def _gemm_row(sig: str, grid: str, us: float) -> dict:
+    name = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
+    return {"op": "linear", "signature": sig, "scenario": "decode_b1", "tokens": 1,
+            "calls_per_step": 28, "timed": {"native.vllm": us + 2.0},
+            "kernels": {"native.vllm": {name: [1.0, us]}},
+            "kernel_launches": {"native.vllm": {
+                f"{name} grid=[{grid}] block=[384, 1, 1]": [1.0, us]}}}
+
+
+def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
+    """Two GEMM shapes that run one cuBLAS kernel name in the model (Qwen3-0.6B's qkv and
+    gate_up at one token) are each set beside the model's launches of their own grid; where
+    a candidate's launch is not in the model's profile, that candidate falls back to the
+    name, the model's time split by calls (it reads the two shapes' average), while the
+    other keeps its own launch."""
+    name = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
+    sc = {"tokens": 1, "kernels": {name: [56.0, 28 * 4.0 + 28 * 6.0]},
+          "kernel_launches": {f"{name} grid=[4, 16, 1] block=[384, 1, 1]": [28.0, 28 * 4.0],
+                              f"{name} grid=[4, 24, 1] block=[384, 1, 1]": [28.0, 28 * 6.0]}}
+    rows = [_gemm_row("k=1024,n=4096", "4, 16, 1", 3.6),
+            _gemm_row("k=1024,n=6144", "4, 24, 1", 4.8)]
+    doc = {"alone": {"rows": rows}, "in_model": {"scenarios": {"decode_b1": sc}}}
+    qkv, gate_up = nim.attribute(doc)
+    assert (qkv["in_model_us"], gate_up["in_model_us"]) == (4.0, 6.0)
+    assert qkv["attributed_by"] == gate_up["attributed_by"] == "launch"
+    assert qkv["kernel_vs_model"] == 0.9 and gate_up["kernel_vs_model"] == 0.8
+    # the candidate launched the second shape otherwise than the model: by name for it
+    rows[1] = _gemm_row("k=1024,n=6144", "8, 24, 1", 4.8)
+    qkv, gate_up = nim.attribute(doc)
+    assert (qkv["in_model_us"], qkv["attributed_by"]) == (4.0, "launch")
+    assert (gate_up["in_model_us"], gate_up["attributed_by"]) == (5.0, "name")
+    assert gate_up["stem_shared_by"] == 2
