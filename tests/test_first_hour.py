@@ -273,6 +273,26 @@ def test_hint_stack_changed_keeps_each_runs_timing_switches(tiny, tmp_path):
     assert "--model tiny-qwen3" in whole and "--model tiny-qwen3" in cold
 
 
+def test_hint_stack_changed_names_the_model_of_winners_whose_run_is_gone(tiny, tmp_path):
+    # a DB whose runs table lost the run its winners came from (an older or merged DB's):
+    # their stack is unknown (freeze used to say nothing: the stack is read from the runs),
+    # and they name no model (the hint named the default one); now freeze warns, and the
+    # built-in profile whose workload runs their signature is the hint's model: following
+    # it re-measures them on this stack
+    old = _old_stack(tiny, tmp_path, "orphans.db", "delete from runs")
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    assert "software stack unknown for 5 winners" in p.stderr, p.stderr
+    assert fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"), "--strict",
+                  check=False).returncode != 0
+    cmds = hints(p.stderr)
+    assert [c.split()[1] for c in cmds] == ["calibrate", "verify"], cmds
+    assert "--model tiny-qwen3" in cmds[0] and "--ops silu_and_mul" in cmds[0], cmds[0]
+    assert "--max-tokens 16" in cmds[0] and "--dtype" in cmds[0], cmds[0]
+    run_hint(cmds[0], tmp_path, ("--budget", "0.003", "--no-isolate"))
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    assert "software stack" not in p.stderr, p.stderr
+
+
 def test_hint_refine_skipped_for_old_stack(tiny, tmp_path):
     # two adjacent bands with different winners, measured with another stack
     old = _old_stack(tiny, tmp_path, "refold.db",

@@ -446,3 +446,21 @@ def test_property_head_dim_eps_and_rope_fields(head_dim, eps, rope):
         return
     _assert_positive(w, 1)
     _assert_runnable(w)
+
+
+def test_profiles_running_names_the_built_in_model_of_a_signature():
+    """A winner without its run is traced back to the built-in profile whose workload runs
+    its (op, signature, dtype), GEMMs (opt-in on CPU) included, at the dtype asked (the
+    hint passes it as ``--dtype``); a signature no profile runs names none."""
+    from fltune.tune.workload import derive, profiles_running
+
+    work = derive("Qwen3-0.6B", device="cuda")
+    rope = next(i for i in work.items if i.op == "rotary_embedding")
+    gemm = next(i for i in work.items + work.opt_in if i.op == "linear")
+    keys = {(rope.op, rope.signature, rope.dtype), (gemm.op, gemm.signature, gemm.dtype),
+            ("silu_and_mul", "intermediate=7", "bf16"), (rope.op, rope.signature, "fp32")}
+    found = profiles_running(keys)
+    assert found[(rope.op, rope.signature, rope.dtype)] == ["Qwen3-0.6B"]
+    assert "Qwen3-0.6B" in found[(gemm.op, gemm.signature, gemm.dtype)]
+    assert found[("silu_and_mul", "intermediate=7", "bf16")] == []
+    assert "Qwen3-0.6B" in found[(rope.op, rope.signature, "fp32")]   # derived at that dtype

@@ -22,8 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Optional
 
 import torch
@@ -39,6 +38,7 @@ from ..store.device import resolve_device
 from ..store.hints import calibrate_hint, workload_commands
 from ..tune.bands import BAND_RULE
 from ..tune.crossover import crossover_valid
+from ..tune.workload import profiles_running
 
 log = logging.getLogger("fltune.freeze")
 
@@ -103,8 +103,14 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
                           f"driver {dev['driver']}; run "
                           f"`{calibrate_hint(db, dev['device_key'], dev['driver'], force=True)}`")
         stacks = db.stacks_of_winners(dev["device_key"], dev["driver"])
+        # winners measured on a stack no run of the DB describes (their run is gone): not
+        # this stack, and nothing says which, so they are as stale as an older one's
+        unknown = Counter(w["stack_key"] for w in winners if w.get("stack_key")
+                          and w["stack_key"] not in stacks
+                          and w["stack_key"] != devmod.stack_key(devmod.stack()))
         warnings = (_stack_warnings(stacks, db_path, strict,
-                                    workload_commands(db, dev["device_key"], dev["driver"]))
+                                    workload_commands(db, dev["device_key"], dev["driver"],
+                                                      models_for=profiles_running), unknown)
                     if check_stack else [])
         # one read of the device's measurements serves the FL picks, the native compiled
         # times and the launch floor below
@@ -157,27 +163,32 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
 
 
 def _stack_warnings(stacks: dict, db_path: str, strict: bool,
-                    recalibrate: list[str]) -> list[str]:
+                    recalibrate: list[str], unknown: Optional[dict] = None) -> list[str]:
     """One warning per recorded stack that differs from the running one (``strict``:
     raise instead), naming the commands that re-measure: every model the DB holds, each
     with the ops its runs measured (``hints.workload_commands``), not only the newest
     run's — an older run's winners are as old. Bands already measured on this stack (with
     the command's timing switches) are skipped by those commands (``calibrate`` resumes per
-    stack and switches), so covering the whole DB costs little more than what is stale."""
-    warnings = []
+    stack and switches), so covering the whole DB costs little more than what is stale.
+    ``unknown`` ({stack key: winners}): winners whose stack no run of the DB records (their
+    run is gone: an older or merged DB's) get one warning per key, as a changed stack."""
+    way_out = ("re-measure with " + " and ".join(f"`{c}`" for c in recalibrate)
+               + f" (or check them with `fltune verify --db {shlex.quote(str(db_path))}`)")
+    msgs = []
     now = devmod.stack()
     for st in stacks.values():
         diff = stack_differences(st, now)
         if diff:
-            msg = (f"software stack changed since calibration ({'; '.join(diff)}): the "
-                   f"measured winners may no longer be the fastest; re-measure with "
-                   + " and ".join(f"`{c}`" for c in recalibrate)
-                   + f" (or check them with `fltune verify --db "
-                   f"{shlex.quote(str(db_path))}`)")
-            if strict:
-                raise StackMismatch(msg)
-            warnings.append(msg)
-    return warnings
+            msgs.append(f"software stack changed since calibration ({'; '.join(diff)}): the "
+                        f"measured winners may no longer be the fastest; {way_out}")
+    for key, n in sorted((unknown or {}).items()):
+        msgs.append(f"software stack unknown for {n} winner{'s' if n != 1 else ''} (stack "
+                    f"{key[:12]}, whose calibration run is gone from the DB): measured on "
+                    f"another stack than this one, they may no longer be the fastest; "
+                    f"{way_out}")
+    if msgs and strict:
+        raise StackMismatch(msgs[0])
+    return msgs
 
 
 def _apply_policy(db, dev, winners: list[dict], policy) -> tuple[list[dict], list[dict]]:

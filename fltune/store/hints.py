@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Optional
+from typing import Callable, Optional
 
 from ..util import json_object
 
@@ -87,7 +87,8 @@ def calibrate_hint(db, device_key: Optional[str] = None, driver: Optional[str] =
     return calibrate_command(db.path, run, same_device=same, force=force)
 
 
-def workload_commands(db, device_key: str, driver: str) -> list[str]:
+def workload_commands(db, device_key: str, driver: str,
+                      models_for: Optional[Callable] = None) -> list[str]:
     """The ``fltune calibrate`` commands that re-measure everything ``db`` holds winners for
     on ``device_key`` / ``driver``: one per (model, dtype, tp) and timing switches — the
     CLI calibrates one model at a time, dtype or tp change the workload itself, and the
@@ -108,18 +109,49 @@ def workload_commands(db, device_key: str, driver: str) -> list[str]:
     session 23, re-timed every op that way, and one with none would replace cold-timed
     winners with hot ones. The runs read are
     those that still hold a winner here: a run whose every band a later one re-measured
-    has nothing left to re-measure. With no such run (no run ids in the winners), the
-    newest run's command, as :func:`calibrate_hint` gives it. Winners whose run is gone
-    (an old or merged DB's) name no model, so no command here covers them (the freeze
-    warning stays until they are re-measured or the DB is rebuilt)."""
+    has nothing left to re-measure.
+
+    Winners whose run is gone (an old or merged DB's) name no model. ``models_for``
+    (``tune.workload.profiles_running``: {(op, signature, dtype): [profiles]}) names the
+    built-in profile that runs each: one more command per (profile, dtype) with those ops
+    and their widest band, after the runs' (the freeze warning stays for the ones no
+    profile runs, until they are re-measured or the DB is rebuilt). With neither a run nor
+    a profile, the newest run's command, as :func:`calibrate_hint` gives it."""
     try:
-        held = {w.get("run_id") for w in db.winners(device_key, driver)}
-        runs = [r for r in db.runs(device_key)
-                if r.get("driver") == driver and r.get("id") in held]
+        winners = db.winners(device_key, driver)
+        runs = [r for r in db.runs(device_key) if r.get("driver") == driver]
     except Exception:       # a DB too broken to read: the newest run's hint, as before
-        runs = []
-    if not runs:
-        return [calibrate_hint(db, device_key, driver)]
+        winners, runs = [], []
+    held = {w.get("run_id") for w in winners}
+    orphans = [w for w in winners if w.get("run_id") not in {r.get("id") for r in runs}]
+    runs = [r for r in runs if r.get("id") in held]
+    cmds = _run_commands(db, runs) + _orphan_commands(db, orphans, models_for)
+    return cmds or [calibrate_hint(db, device_key, driver)]
+
+
+def _orphan_commands(db, orphans: list, models_for: Optional[Callable]) -> list[str]:
+    """One ``calibrate`` per (built-in profile, dtype) covering the winners in ``orphans``
+    that profile runs (the first profile that runs a winner takes it)."""
+    if not orphans or models_for is None:
+        return []
+    try:
+        found = models_for({(w["op"], w["signature"], w["dtype"]) for w in orphans})
+    except Exception:       # a profile that does not derive: no command rather than none at all
+        return []
+    groups: dict = {}
+    for w in orphans:
+        names = found.get((w["op"], w["signature"], w["dtype"])) or []
+        if names:
+            g = groups.setdefault((names[0], w["dtype"]), {"ops": set(), "max_tokens": 0})
+            g["ops"].add(w["op"])
+            g["max_tokens"] = max(g["max_tokens"], int(w.get("band_hi") or 0))
+    return [calibrate_command(db.path, {"model": model, "dtype": dtype, "settings": json.dumps(
+        {"ops": sorted(g["ops"]), "max_tokens": g["max_tokens"] or None})})
+        for (model, dtype), g in sorted(groups.items())]
+
+
+def _run_commands(db, runs: list) -> list[str]:
+    """:func:`workload_commands`' commands for the runs that hold winners."""
     groups: dict = {}
     for r in runs:          # db.runs is ordered by id: the last of a group is its newest
         regime = tuple(bool(_settings(r).get(k)) for k in TIMING_SWITCHES)

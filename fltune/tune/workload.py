@@ -92,6 +92,28 @@ def known_profiles() -> list[str]:
                   if p.name.endswith(".json") and p.is_file())
 
 
+def profiles_running(keys) -> dict:
+    """{(op, signature, dtype): [built-in profiles whose workload runs it, at tp 1]} for
+    the ``keys`` asked about (an empty list where none does). Why: a winner whose
+    calibration run is gone from the DB (a merged or an older DB's) names no model, so a
+    hint that re-measures it has none to pass to ``--model``; the built-in profiles are
+    the models fltune knows, and a signature is specific enough (widths, heads, eps) to
+    name the one that runs it. Opt-in ops count (``linear``), on any device."""
+    keys = set(keys)
+    out: dict = {k: [] for k in keys}
+    for name in known_profiles():
+        for dt in sorted({k[2] for k in keys}):
+            try:
+                work = derive(name, dtype=dt, device="cuda")
+            except ModelConfigError:
+                continue
+            for it in work.items + work.opt_in:
+                key = (it.op, it.signature, it.dtype)
+                if key in out and name not in out[key]:
+                    out[key].append(name)
+    return out
+
+
 def load_config(model: str) -> tuple[str, dict]:
     """NAME (built-in profile), a directory with config.json, or a config.json path."""
     p = Path(model)
