@@ -497,11 +497,11 @@ def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | Non
     ``per_call_us`` is their time per round over the two norm calls a round makes, the
     figure to set beside the model's per-call average; ``kernels`` each one's µs per round,
     ``others`` the rest of the round's kernels. ``graphs`` caches the compiled subgraph per
-    (op, signature, copy, shapes): it serves every token count."""
+    (op, width, dtype, eps, copy, shapes): it serves every token count."""
     import torch
 
     try:
-        key = (op, tuple(args[0].shape[1:]), args[0].dtype, copy,
+        key = (op, tuple(args[0].shape[1:]), args[0].dtype, float(args[3]), copy,
                tuple(sorted((shapes or {}).items())))
         cache = graphs if graphs is not None else {}
         if key not in cache:
@@ -689,8 +689,10 @@ def pair_inputs(args, tokens: int | None = None, shapes: dict | None = None) -> 
     else:           # [in, out] for torch.mm
         w_o = rnd(o_in, hidden, scale=o_in ** -0.5)
         mlp = [rnd(hidden, hidden, scale=hidden ** -0.5)]
+    # (the second norm's weight is the first's reversed: two layers' norms, and a swap of
+    # the two in the graph shows in its values)
     return [rnd(tokens, o_in), w_o, rnd(tokens, hidden, scale=2.0), weight.clone(),
-            weight.clone(), torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
+            weight.flip(0).contiguous(), torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
 
 
 def gdn_state_bytes(items) -> int:
@@ -999,7 +1001,9 @@ def attribute(doc: dict) -> list:
             and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
         attributed_by = "name"
         by_launch = launch_partners(doc, row, sc) if len(sharers) > 1 else None
-        if by_launch is not None:
+        # only where the launches tell apart what the name does not (a persistent kernel's
+        # one launch shape, [2, 66, 1] at prefill, is every GEMM's: split by calls as before)
+        if by_launch is not None and len(by_launch[1]) < len(sharers):
             model_k, sharers = by_launch
             attributed_by = "launch"
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
@@ -1030,6 +1034,7 @@ def attribute(doc: dict) -> list:
                  **{f"native_{_PAIR_KEYS[v]}_us": kern_pairs[v] for v in PAIR_VARIANTS},
                  "standalone_race_us": row["timed"].get("inductor.standalone"),
                  "model_kernels": sorted(model_k), "model_calls_per_step": n_calls,
+                 # (rows the model's kernels are split with: by name, or by launch)
                  "stem_shared_by": len(sharers), "attributed_by": attributed_by}
         if copy_us is not None:
             entry["in_model_copy_us"] = round(copy_us, 3)

@@ -293,6 +293,30 @@ def test_hint_stack_changed_names_the_model_of_winners_whose_run_is_gone(tiny, t
     assert "software stack" not in p.stderr, p.stderr
 
 
+def test_hint_stack_unknown_for_winners_no_profile_runs_offers_no_wrong_model(tiny, tmp_path):
+    # orphans of a model no built-in profile is (a config directory's): the warning says
+    # how many and what to do; no `calibrate` of the default model is offered (it would
+    # re-measure something else and leave the warning standing)
+    old = _old_stack(tiny, tmp_path, "lost.db", "delete from runs",
+                     "update winners set signature='intermediate=77'")
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    assert "software stack unknown for 5 winners" in p.stderr, p.stderr
+    assert "no built-in profile runs 5 of them" in p.stderr, p.stderr
+    assert [c.split()[1] for c in hints(p.stderr)] == ["verify"], p.stderr
+
+
+def test_hint_orphans_of_a_run_still_recorded_get_one_command(tiny, tmp_path):
+    # winners that lost their run id while the run is still there (its stack recorded):
+    # the run's command covers the orphans (same model, ops, a higher band): it is given once
+    old = _old_stack(tiny, tmp_path, "nullrun.db",
+                     "update winners set run_id=NULL where band_hi=1")
+    p = fltune("freeze", "--db", str(old), "--out", str(tmp_path / "m.json"))
+    assert "software stack changed" in p.stderr
+    cmds = hints(p.stderr)
+    assert [c.split()[1] for c in cmds] == ["calibrate", "verify"], cmds
+    assert "--model tiny-qwen3" in cmds[0]
+
+
 def test_hint_refine_skipped_for_old_stack(tiny, tmp_path):
     # two adjacent bands with different winners, measured with another stack
     old = _old_stack(tiny, tmp_path, "refold.db",

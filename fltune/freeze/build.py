@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import shlex
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Optional
 
 import torch
@@ -105,13 +105,15 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
         stacks = db.stacks_of_winners(dev["device_key"], dev["driver"])
         # winners measured on a stack no run of the DB describes (their run is gone): not
         # this stack, and nothing says which, so they are as stale as an older one's
-        unknown = Counter(w["stack_key"] for w in winners if w.get("stack_key")
-                          and w["stack_key"] not in stacks
-                          and w["stack_key"] != devmod.stack_key(devmod.stack()))
-        warnings = (_stack_warnings(stacks, db_path, strict,
-                                    workload_commands(db, dev["device_key"], dev["driver"],
-                                                      models_for=profiles_running), unknown)
-                    if check_stack else [])
+        warnings = []
+        if check_stack:
+            now_key = devmod.stack_key(devmod.stack())
+            unknown = [w for w in winners if w.get("stack_key")
+                       and w["stack_key"] not in stacks and w["stack_key"] != now_key]
+            warnings = _stack_warnings(stacks, db_path, strict,
+                                       workload_commands(db, dev["device_key"], dev["driver"],
+                                                         models_for=profiles_running),
+                                       unknown)
         # one read of the device's measurements serves the FL picks, the native compiled
         # times and the launch floor below
         by_band = db.measurements_by_band(dev["device_key"], dev["driver"])
@@ -163,17 +165,21 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
 
 
 def _stack_warnings(stacks: dict, db_path: str, strict: bool,
-                    recalibrate: list[str], unknown: Optional[dict] = None) -> list[str]:
+                    recalibrate: list[str], unknown: Optional[list] = None) -> list[str]:
     """One warning per recorded stack that differs from the running one (``strict``:
     raise instead), naming the commands that re-measure: every model the DB holds, each
     with the ops its runs measured (``hints.workload_commands``), not only the newest
     run's — an older run's winners are as old. Bands already measured on this stack (with
     the command's timing switches) are skipped by those commands (``calibrate`` resumes per
     stack and switches), so covering the whole DB costs little more than what is stale.
-    ``unknown`` ({stack key: winners}): winners whose stack no run of the DB records (their
-    run is gone: an older or merged DB's) get one warning per key, as a changed stack."""
+    ``unknown``: winners whose stack no run of the DB records (their run is gone: an older
+    or merged DB's) get one warning per stack key, as a changed stack, naming how many of
+    them no built-in profile runs (no command can name their model: the user's config
+    directory, or a rebuilt DB, is the way out for those)."""
+    verify = f"`fltune verify --db {shlex.quote(str(db_path))}`"
     way_out = ("re-measure with " + " and ".join(f"`{c}`" for c in recalibrate)
-               + f" (or check them with `fltune verify --db {shlex.quote(str(db_path))}`)")
+               + f" (or check them with {verify})" if recalibrate
+               else f"check them with {verify}")
     msgs = []
     now = devmod.stack()
     for st in stacks.values():
@@ -181,11 +187,20 @@ def _stack_warnings(stacks: dict, db_path: str, strict: bool,
         if diff:
             msgs.append(f"software stack changed since calibration ({'; '.join(diff)}): the "
                         f"measured winners may no longer be the fastest; {way_out}")
-    for key, n in sorted((unknown or {}).items()):
+    by_key = defaultdict(list)
+    for w in unknown or []:
+        by_key[w["stack_key"]].append(w)
+    for key, ws in sorted(by_key.items()):
+        found = profiles_running({(w["op"], w["signature"], w["dtype"]) for w in ws})
+        lost = sum(1 for w in ws if not found.get((w["op"], w["signature"], w["dtype"])))
+        n = len(ws)
         msgs.append(f"software stack unknown for {n} winner{'s' if n != 1 else ''} (stack "
                     f"{key[:12]}, whose calibration run is gone from the DB): measured on "
                     f"another stack than this one, they may no longer be the fastest; "
-                    f"{way_out}")
+                    f"{way_out}" + (
+                        f"; no built-in profile runs {lost} of them: re-calibrate their model "
+                        f"with `--model <its config directory>`, or rebuild the DB"
+                        if lost else ""))
     if msgs and strict:
         raise StackMismatch(msgs[0])
     return msgs

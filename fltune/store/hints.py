@@ -114,9 +114,10 @@ def workload_commands(db, device_key: str, driver: str,
     Winners whose run is gone (an old or merged DB's) name no model. ``models_for``
     (``tune.workload.profiles_running``: {(op, signature, dtype): [profiles]}) names the
     built-in profile that runs each: one more command per (profile, dtype) with those ops
-    and their widest band, after the runs' (the freeze warning stays for the ones no
-    profile runs, until they are re-measured or the DB is rebuilt). With neither a run nor
-    a profile, the newest run's command, as :func:`calibrate_hint` gives it."""
+    and their widest band, before the runs' (the freeze warning stays for the ones no
+    profile runs, until they are re-measured or the DB is rebuilt: no command is offered
+    for them, since the default model's would not re-measure them). With neither a run nor
+    an orphan, the newest run's command, as :func:`calibrate_hint` gives it."""
     try:
         winners = db.winners(device_key, driver)
         runs = [r for r in db.runs(device_key) if r.get("driver") == driver]
@@ -125,13 +126,22 @@ def workload_commands(db, device_key: str, driver: str,
     held = {w.get("run_id") for w in winners}
     orphans = [w for w in winners if w.get("run_id") not in {r.get("id") for r in runs}]
     runs = [r for r in runs if r.get("id") in held]
-    cmds = _run_commands(db, runs) + _orphan_commands(db, orphans, models_for)
-    return cmds or [calibrate_hint(db, device_key, driver)]
+    # the orphans' commands first: they carry no timing switches (their run, which knew
+    # them, is gone), so the runs' commands, which do, race last and decide their bands'
+    # regime (a band's last race decides it, ``CalibrationDB.has_band``)
+    cmds = list(dict.fromkeys(_orphan_commands(db, orphans, models_for, runs)
+                              + _run_commands(db, runs)))
+    if cmds or orphans:     # (orphans no profile runs: no command beats a wrong model's)
+        return cmds
+    return [calibrate_hint(db, device_key, driver)]
 
 
-def _orphan_commands(db, orphans: list, models_for: Optional[Callable]) -> list[str]:
+def _orphan_commands(db, orphans: list, models_for: Optional[Callable],
+                     runs: list = ()) -> list[str]:
     """One ``calibrate`` per (built-in profile, dtype) covering the winners in ``orphans``
-    that profile runs (the first profile that runs a winner takes it)."""
+    that profile runs (the first profile that runs a winner takes it), unless one of
+    ``runs`` (those :func:`_run_commands` repeats) covers it already: same model and dtype,
+    every op (no ``ops`` recorded) or a superset, bands at least as high."""
     if not orphans or models_for is None:
         return []
     try:
@@ -145,9 +155,18 @@ def _orphan_commands(db, orphans: list, models_for: Optional[Callable]) -> list[
             g = groups.setdefault((names[0], w["dtype"]), {"ops": set(), "max_tokens": 0})
             g["ops"].add(w["op"])
             g["max_tokens"] = max(g["max_tokens"], int(w.get("band_hi") or 0))
+
+    def covered(model, dtype, g) -> bool:
+        for r in runs:
+            st = _settings(r)
+            if (r.get("model") == model and r.get("dtype") == dtype
+                    and (not st.get("ops") or g["ops"] <= set(st["ops"]))
+                    and int(st.get("max_tokens") or 0) >= g["max_tokens"]):
+                return True
+        return False
     return [calibrate_command(db.path, {"model": model, "dtype": dtype, "settings": json.dumps(
         {"ops": sorted(g["ops"]), "max_tokens": g["max_tokens"] or None})})
-        for (model, dtype), g in sorted(groups.items())]
+        for (model, dtype), g in sorted(groups.items()) if not covered(model, dtype, g)]
 
 
 def _run_commands(db, runs: list) -> list[str]:
