@@ -459,11 +459,10 @@ def layer_shapes(items) -> dict | None:
     without an MLP item (the pair then keeps its hidden x hidden stand-in)."""
     inter = o_in = None
     for it in items:
-        d = it.dims_dict if hasattr(it, "dims_dict") else dict(it)
-        op = getattr(it, "op", d.get("op"))
-        if op == "silu_and_mul" and "intermediate" in d:
+        d = it.dims_dict
+        if it.op == "silu_and_mul" and "intermediate" in d:
             inter = int(d["intermediate"])
-        elif op in ("rotary_embedding", "mrope") and {"heads", "head_size"} <= set(d):
+        elif it.op in ("rotary_embedding", "mrope") and {"heads", "head_size"} <= set(d):
             o_in = int(d["heads"]) * int(d["head_size"])
     if inter is None:
         return None
@@ -483,8 +482,9 @@ _PAIR_KEYS = {"copy": "layer_pair", "no_copy": "layer_pair_no_copy",
               "mlp_copy": "layer_pair_mlp", "mlp_no_copy": "layer_pair_mlp_no_copy"}
 #: a variant and the one that differs from it by the copy alone: a pair is judged only where
 #: both were recorded (a run that recorded one may have failed the other)
-PAIR_TWIN = {"copy": "no_copy", "no_copy": "copy",
-             "mlp_copy": "mlp_no_copy", "mlp_no_copy": "mlp_copy"}
+PAIR_TWIN = {a: b for a, (copy_a, mlp_a) in PAIR_VARIANTS.items()
+             for b, (copy_b, mlp_b) in PAIR_VARIANTS.items()
+             if mlp_a == mlp_b and copy_a != copy_b}
 
 
 def layer_pair(op: str, args, n: int = 16, copy: bool = True, graphs: dict | None = None,
@@ -692,7 +692,8 @@ def pair_inputs(args, tokens: int | None = None, shapes: dict | None = None) -> 
     # (the second norm's weight is the first's reversed: two layers' norms, and a swap of
     # the two in the graph shows in its values)
     return [rnd(tokens, o_in), w_o, rnd(tokens, hidden, scale=2.0), weight.clone(),
-            weight.flip(0).contiguous(), torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
+            weight.flip(0).contiguous(),
+            torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device), *mlp]
 
 
 def gdn_state_bytes(items) -> int:

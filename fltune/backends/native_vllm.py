@@ -310,7 +310,8 @@ def _skip_guards():
 #: evaluates each input under masks) unless an input reaches back to a reduction it would
 #: have to recompute (from torch 2.12 not when the inputs only recombine the reduction's
 #: output: :func:`model_lowers_cat_after_reduction_as_concat`). In Qwen3's attention the
-#: q/k norm's reduction is upstream of the rope, so the model's rope kernel computes one rotated pair per thread and stores both halves
+#: q/k norm's reduction is upstream of the rope, so the model's rope kernel computes one
+#: rotated pair per thread and stores both halves
 #: (``x0 = xindex % 64`` at head size 128, a ``ConcatKernel``); the rope compiled alone has
 #: no reduction upstream and gets the pointwise cat, twice the threads (``% 128``). On the
 #: H200 that alone made the candidate 1.43x / 1.44x the model's rope kernel at 2048 / 8192

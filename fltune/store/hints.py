@@ -124,7 +124,8 @@ def workload_commands(db, device_key: str, driver: str,
     except Exception:       # a DB too broken to read: the newest run's hint, as before
         winners, runs = [], []
     held = {w.get("run_id") for w in winners}
-    orphans = [w for w in winners if w.get("run_id") not in {r.get("id") for r in runs}]
+    recorded = {r.get("id") for r in runs}
+    orphans = [w for w in winners if w.get("run_id") not in recorded]
     runs = [r for r in runs if r.get("id") in held]
     # the orphans' commands first: they carry no timing switches (their run, which knew
     # them, is gone), so the runs' commands, which do, race last and decide their bands'
