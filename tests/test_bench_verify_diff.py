@@ -205,7 +205,7 @@ def test_diff_two_devices_of_one_db(calibrated, tmp_path):
 # ---- the drift rules, deterministically (timer replaced) ---------------------------------
 
 def _verify_one(monkeypatch, winner_db_us, now, *, runner_db_us=10.0, noise_floor=0.1,
-                margin=0.03, db_noise=0.01):
+                margin=0.03, db_noise=0.01, timer=None):
     from fltune.evaluate import verify
     from fltune.dispatch.registry import OpRegistry
     from fltune.ops import get_op
@@ -219,13 +219,49 @@ def _verify_one(monkeypatch, winner_db_us, now, *, runner_db_us=10.0, noise_floo
     def fake(calls, device, **kw):
         return {k: timing.Timing(now[k], now[k] * 0.99, now[k] * 1.01, 15, {"timer": "fake"})
                 for k in calls}
-    monkeypatch.setattr(timing, "time_candidates", fake)
+    monkeypatch.setattr(timing, "time_candidates", timer or fake)
     w = {"op": "silu_and_mul", "signature": "intermediate=8", "dims": '{"intermediate": 8}',
          "dtype": "bf16", "band_lo": 3, "band_hi": 4, "impl_id": "w.impl",
          "median_us": winner_db_us, "runner_up": "r.impl", "runner_up_us": runner_db_us,
          "noise": db_noise}
     return verify.verify_band(w, {}, reg, "cpu", margin=margin, noise_floor=noise_floor,
                               reps=0, budget_s=0.001, graph_calls=1)
+
+
+def test_a_move_hidden_by_one_noisy_re_timing_is_raced_again(monkeypatch):
+    """The winner now runs 2x its DB time. The first race is spread 1000x (one preemption
+    among few samples): by the noise rule alone that is a tie. verify races again and the
+    quiet race shows the move; where every race is that noisy, the band stays a tie but
+    says it is unconfirmed."""
+    from fltune.evaluate import verify
+    from fltune.tune import timing
+
+    races = []
+
+    def noisy_then_quiet(calls, device, **kw):
+        races.append(1)
+        spread = 1000.0 if len(races) == 1 else 0.01
+        now = {"w.impl": 10.0, "r.impl": 20.0}
+        return {k: timing.Timing(now[k], now[k] * (1 - spread / 2), now[k] * (1 + spread / 2),
+                                 5, {"timer": "fake"}) for k in calls}
+
+    rec = _verify_one(monkeypatch, 5.0, {}, timer=noisy_then_quiet)
+    assert rec["status"] == "moved" and rec["races"] == 2 and len(races) == 2
+    assert rec["ratio"] == pytest.approx(2.0) and rec["noise"] < 1
+
+    races.clear()
+
+    def always_noisy(calls, device, **kw):
+        races.append(1)
+        return {k: timing.Timing(10.0, 0.1, 10000.0, 5, {"timer": "fake"}) for k in calls}
+
+    rec = _verify_one(monkeypatch, 5.0, {}, timer=always_noisy)
+    assert rec["status"] == "ok" and rec["races"] == 1 + verify.RETIMES == len(races)
+    assert any("unconfirmed" in r for r in rec["reasons"])
+    # a band inside the floor is raced once, noisy or not
+    races.clear()
+    rec = _verify_one(monkeypatch, 10.0, {}, timer=always_noisy, runner_db_us=10.0)
+    assert rec["status"] == "ok" and rec["races"] == 1 and not rec["reasons"]
 
 
 def test_drift_rules(monkeypatch):

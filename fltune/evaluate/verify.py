@@ -19,6 +19,10 @@ The noise t is the largest of: the spread this run measured for the candidates c
 for the winner, and ``--noise-floor`` (default 10 %: on a GPU, clocks move replayed times
 by a few percent between processes; on a shared CPU far more — raise it there).
 
+A move or a change that the floor and the stored noise would show but this run's spread
+hides is raced again (twice at most, the quietest race kept); still hidden, the band stays
+"ok" (a tie by the noise rule) with a reason saying it is unconfirmed.
+
 A DB with any drifted band is stale: ``fltune verify`` exits with status 1.
 """
 from __future__ import annotations
@@ -160,37 +164,41 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
                         cold_l2=bool(timer.get("cold_l2")),
                         cold_weights=bool(timer.get("cold_weight_copies")),
                         graph_limit=limit, seed=seed)
-    got = {}
-    if impls:
-        pool = pool or racer(False)
-        v = pool.race(op, json.loads(w["dims"]), dtype_from_name(dt_name),
-                      Band(w["band_lo"], hi), impls, settings)
-        got = {o.impl.impl_id: o for o in v.outcomes}
-    timed = {}
-    for impl_id, role in roles.items():
-        o = got[impl_id]
-        if o.outcome == "timed":
-            timed[role] = o.timing
-        elif o.outcome == "unqualified":
-            rec["reasons"].append(f"{role} {impl_id} does not qualify now: {o.reason}")
-        elif o.outcome == "refused" and str(o.reason).startswith("raised while timing"):
-            if role == "winner":
-                rec["status"] = "unavailable"
-                rec["reasons"].append(f"winner {impl_id} {o.reason}")
-        elif o.outcome == "parity_failed" or str(o.reason).startswith("raised"):
-            rec["reasons"].append(f"{role} {impl_id} fails parity now: {o.reason}")
-            if role == "winner":
-                rec["status"] = "parity_failed"
-        else:
-            rec["reasons"].append(f"{role} {impl_id} refused now: {o.reason}")
+    # a move or a change that the floor and the stored noise would show, hidden only by
+    # this re-timing's own spread, is raced again (up to RETIMES more times, the quietest
+    # race kept): five samples of a short CPU op with one preemption among them spread
+    # 1000x, and a band that spread calls "ok" was never really checked
+    base_noise = max(noise_floor, w["noise"] or 0.0)
+    first, best = rec, None
+    for attempts in range(1, RETIMES + 2):
+        rec = dict(first, reasons=list(first["reasons"]))
+        got = {}
+        if impls:
+            pool = pool or racer(False)
+            v = pool.race(op, json.loads(w["dims"]), dtype_from_name(dt_name),
+                          Band(w["band_lo"], hi), impls, settings)
+            got = {o.impl.impl_id: o for o in v.outcomes}
+        timed = _classify_outcomes(rec, roles, got)
+        if "winner" not in timed:
+            best = None      # the winner cannot run (or pass parity) now: the finding
+            break
+        tw, tr = timed["winner"], timed.get("runner_up")
+        spread = max(tw.noise, tr.noise if tr is not None else 0.0)
+        if best is None or spread < best[0]:
+            best = (spread, rec, timed)
+        if not _hidden_by_spread(w, tw, tr, margin, base_noise):
+            break
+    if best is not None:
+        _, rec, timed = best
     tw, tr = timed.get("winner"), timed.get("runner_up")
     if tw is None:
         if rec["status"] == "ok":
             rec["status"] = "unavailable"
         return rec
+    rec["races"] = attempts
     rec["winner_us"] = tw.median_us
     rec["timer"] = tw.timer
-    noise = max(noise_floor, tw.noise, w["noise"] or 0.0)
+    noise = max(base_noise, tw.noise)
     if tr is not None:
         rec["runner_up_us"] = tr.median_us
         if rec["runner_up_db_us"]:
@@ -213,7 +221,54 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
         rec["reasons"].append(f"winner {w['impl_id']} time moved {fmt_ratio(r)} "
                               f"({fmt_us(w['median_us'])} -> {fmt_us(tw.median_us)} µs; noise "
                               f"{noise:.1%})")
+    if rec["status"] == "ok" and _hidden_by_spread(w, tw, tr, margin, base_noise):
+        rec["reasons"].append(f"inside this re-timing's spread {noise:.1%} (timed {attempts} "
+                              f"times), outside the floor's {base_noise:.1%}: a tie by the "
+                              f"noise rule, unconfirmed (re-run on a quieter machine, or "
+                              f"with a larger --budget)")
     return rec
+
+
+RETIMES = 2
+
+
+def _hidden_by_spread(w: dict, tw, tr, margin: float, base_noise: float) -> bool:
+    """Whether the ratio or the runner-up's lead lies outside what the floor and the stored
+    noise allow but inside this race's own spread: only that spread keeps the band "ok"."""
+    if not w["median_us"]:
+        return False
+    full = max(base_noise, tw.noise, tr.noise if tr is not None else 0.0)
+    r = tw.median_us / w["median_us"]
+
+    def outside(t):
+        return not (1 / (1 + t) <= r <= 1 + t)
+    if outside(base_noise) and not outside(full):
+        return True
+    lead = tw.median_us / tr.median_us - 1 if tr is not None and tr.median_us > 0 else None
+    return lead is not None and max(margin, base_noise) < lead <= max(margin, full)
+
+
+def _classify_outcomes(rec: dict, roles: dict, got: dict) -> dict:
+    """The timings of the roles that were timed; the others' reasons (and the band's status
+    where the winner cannot run or fails parity) written into ``rec``."""
+    timed = {}
+    for impl_id, role in roles.items():
+        o = got[impl_id]
+        if o.outcome == "timed":
+            timed[role] = o.timing
+        elif o.outcome == "unqualified":
+            rec["reasons"].append(f"{role} {impl_id} does not qualify now: {o.reason}")
+        elif o.outcome == "refused" and str(o.reason).startswith("raised while timing"):
+            if role == "winner":
+                rec["status"] = "unavailable"
+                rec["reasons"].append(f"winner {impl_id} {o.reason}")
+        elif o.outcome == "parity_failed" or str(o.reason).startswith("raised"):
+            rec["reasons"].append(f"{role} {impl_id} fails parity now: {o.reason}")
+            if role == "winner":
+                rec["status"] = "parity_failed"
+        else:
+            rec["reasons"].append(f"{role} {impl_id} refused now: {o.reason}")
+    return timed
 
 
 def fmt_ratio(r):
