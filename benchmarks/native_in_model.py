@@ -974,19 +974,74 @@ def launch_partners(doc: dict, row: dict, sc: dict):
     return {k: launches[k] for k in sorted(keys)}, sharers
 
 
+def _row_stems(row: dict, own: dict) -> set:
+    """The stems of the row's native.vllm kernels, to find the model's by; none for the
+    norms the model fuses into unnamed q/k-norm + rope kernels."""
+    if row["op"] in ("gemma_rms_norm", "rms_norm", "mrope"):
+        return set()
+    return {stem(k) for k in own}
+
+
+def _stem_sharers(doc: dict, row: dict, stems: set) -> list:
+    """The scenario's rows whose native.vllm kernels share one of ``stems`` (``row`` too)."""
+    return [r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
+            and isinstance(r["kernels"].get("native.vllm"), dict)
+            and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
+
+
+def _by_launch(doc: dict, row: dict, sc: dict, sharers: list):
+    """``launch_partners``' answer where it tells apart rows the name does not (fewer
+    sharers by launch than by name); else None. A persistent kernel's one launch shape
+    ([2, 66, 1] at prefill) is every GEMM's: those stay split by calls."""
+    if len(sharers) < 2:
+        return None
+    by_launch = launch_partners(doc, row, sc)
+    return by_launch if by_launch is not None and len(by_launch[1]) < len(sharers) else None
+
+
+def _without_claimed(model_k: dict, sharers: list, claimed: list) -> tuple:
+    """A name-attributed row's kernels and sharers less what rows attributed by launch
+    claimed: their launches' calls and time come off the kernel name they ran under, and
+    they stop sharing it (else the name's whole time, their launches included, was split
+    by calls, and the row read the shapes' average)."""
+    model_k = {k: list(v) for k, v in model_k.items()}
+    gone = set()
+    for r, launches in claimed:
+        if not any(r is x for x in sharers):
+            continue
+        gone.add(id(r))
+        for key, (calls, us) in launches.items():
+            name = key.split(" grid=")[0]
+            if name in model_k:
+                model_k[name] = [model_k[name][0] - calls, model_k[name][1] - us]
+    model_k = {k: v for k, v in model_k.items() if v[0] > 0.5}
+    return model_k, [r for r in sharers if id(r) not in gone]
+
+
 def attribute(doc: dict) -> list:
     """The validation table: per (op, signature, scenario) native.vllm's race time and
     kernel time per call against the model's kernel time per call for the same stems."""
     table = []
+    # the rows whose GEMM kernels are told apart by launch, per scenario, and the model's
+    # launches each claims (a row of their kernel name that falls back to the name takes
+    # the rest of that name's time only)
+    claimed: dict = {}
+    for row in doc["alone"]["rows"]:
+        sc = doc["in_model"]["scenarios"].get(row["scenario"])
+        own = row["kernels"].get("native.vllm")
+        if sc is None or not isinstance(own, dict) or not own or \
+                row["op"] in UNNAMED_PARTNERS or IN_MODEL_NAMES.get(row["op"]) is not None:
+            continue
+        found = _by_launch(doc, row, sc, _stem_sharers(doc, row, _row_stems(row, own)))
+        if found is not None:
+            claimed.setdefault(row["scenario"], []).append((row, found[0]))
     for row in doc["alone"]["rows"]:
         sc = doc["in_model"]["scenarios"].get(row["scenario"])
         own = row["kernels"].get("native.vllm") or {}
         if sc is None or not isinstance(own, dict) or not own:
             continue
-        stems = {stem(k) for k in own}
+        stems = _row_stems(row, own)
         named = IN_MODEL_NAMES.get(row["op"])
-        if row["op"] in ("gemma_rms_norm", "rms_norm", "mrope"):
-            stems = set()          # fused into unnamed q/k-norm + rope kernels in the model
         copy_us = None
         if row["op"] in UNNAMED_PARTNERS:
             model_k, copy_us = partner_kernels(sc, row["op"])
@@ -996,17 +1051,16 @@ def attribute(doc: dict) -> list:
             model_k = {k: v for k, v in sc["kernels"].items() if stem(k) in stems}
         # several ops (or one op at several signatures) can share a stem: split the
         # model's time in proportion to the calls each makes per step
-        sharers = [] if (named is not None or row["op"] in UNNAMED_PARTNERS) else [
-            r for r in doc["alone"]["rows"] if r["scenario"] == row["scenario"]
-            and isinstance(r["kernels"].get("native.vllm"), dict)
-            and stems & {stem(k) for k in r["kernels"]["native.vllm"]}]
+        sharers = [] if (named is not None or row["op"] in UNNAMED_PARTNERS) else \
+            _stem_sharers(doc, row, stems)
         attributed_by = "name"
-        by_launch = launch_partners(doc, row, sc) if len(sharers) > 1 else None
-        # only where the launches tell apart what the name does not (a persistent kernel's
-        # one launch shape, [2, 66, 1] at prefill, is every GEMM's: split by calls as before)
-        if by_launch is not None and len(by_launch[1]) < len(sharers):
+        by_launch = _by_launch(doc, row, sc, sharers)
+        if by_launch is not None:
             model_k, sharers = by_launch
             attributed_by = "launch"
+        elif len(sharers) > 1:
+            model_k, sharers = _without_claimed(model_k, sharers,
+                                                claimed.get(row["scenario"], []))
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
         n_calls = model_calls(model_k)
         model_us = sum(v[1] for v in model_k.values())

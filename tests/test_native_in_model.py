@@ -480,8 +480,8 @@ def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     """Two GEMM shapes that run one cuBLAS kernel name in the model (Qwen3-0.6B's qkv and
     gate_up at one token) are each set beside the model's launches of their own grid; where
     a candidate's launch is not in the model's profile, that candidate falls back to the
-    name, the model's time split by calls (it reads the two shapes' average), while the
-    other keeps its own launch."""
+    name, and takes what the other's launches leave of it, while the other keeps its own
+    launch."""
     name = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
     sc = {"tokens": 1, "kernels": {name: [56.0, 28 * 4.0 + 28 * 6.0]},
           "kernel_launches": {f"{name} grid=[4, 16, 1] block=[384, 1, 1]": [28.0, 28 * 4.0],
@@ -497,5 +497,12 @@ def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     rows[1] = _gemm_row("k=1024,n=6144", "8, 24, 1", 4.8)
     qkv, gate_up = nim.attribute(doc)
     assert (qkv["in_model_us"], qkv["attributed_by"]) == (4.0, "launch")
-    assert (gate_up["in_model_us"], gate_up["attributed_by"]) == (5.0, "name")
-    assert gate_up["stem_shared_by"] == 2
+    # ... the name's time less the launches qkv claimed, not the two shapes' average
+    assert (gate_up["in_model_us"], gate_up["attributed_by"]) == (6.0, "name")
+    assert gate_up["stem_shared_by"] == 1 and gate_up["model_calls_per_step"] == 28
+    # where neither is told apart by launch, both read the name's time split by calls
+    rows[0] = _gemm_row("k=1024,n=4096", "8, 16, 1", 3.6)
+    qkv, gate_up = nim.attribute(doc)
+    assert qkv["attributed_by"] == gate_up["attributed_by"] == "name"
+    assert qkv["in_model_us"] == gate_up["in_model_us"] == 5.0
+    assert qkv["stem_shared_by"] == gate_up["stem_shared_by"] == 2
