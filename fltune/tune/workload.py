@@ -16,6 +16,8 @@ hidden size do not shard.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -103,15 +105,21 @@ def profiles_running(keys) -> dict:
     out: dict = {k: [] for k in keys}
     for name in known_profiles():
         for dt in sorted({k[2] for k in keys}):
-            try:
-                work = derive(name, dtype=dt, device="cuda")
-            except ModelConfigError:
-                continue
-            for it in work.items + work.opt_in:
-                key = (it.op, it.signature, it.dtype)
-                if key in out and name not in out[key]:
+            for key in _profile_signatures(name, dt) & keys:
+                if name not in out[key]:
                     out[key].append(name)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_signatures(name: str, dtype: str) -> frozenset:
+    """The (op, signature, dtype) a built-in profile's workload runs (opt-in ops too), once
+    per process: freeze asks twice (the hint's commands, the unknown-stack warning)."""
+    try:
+        work = derive(name, dtype=dtype, device="cuda")
+    except ModelConfigError:
+        return frozenset()
+    return frozenset((it.op, it.signature, it.dtype) for it in work.items + work.opt_in)
 
 
 def load_config(model: str) -> tuple[str, dict]:
