@@ -332,9 +332,13 @@ def test_hint_refine_skipped_for_old_stack(tiny, tmp_path):
 
 
 def test_hint_verify_stale(tiny, tmp_path):
-    slow = _db(tiny, tmp_path, "stale.db", "update winners set median_us = median_us * 1000")
+    # a million-fold, the stored noise cleared: a loaded machine's stall (an oversubscribed
+    # OpenMP loop takes ~6 ms where it takes 12 µs) or a noise stored 550 by the 3 ms budget
+    # hid a thousand-fold tamper in one band
+    slow = _db(tiny, tmp_path, "stale.db",
+               "update winners set median_us = median_us * 1e6, noise = 0")
     p = fltune("verify", "--db", str(slow), "--no-isolate", "--noise-floor", "0.5",
-               check=False)
+               check=False, env=child_env(OMP_NUM_THREADS="1"))
     assert p.returncode == 1 and "stale" in p.stdout, p.stdout + p.stderr
     (cmd,) = hints(p.stdout)
     assert "--force" in cmd and "--model tiny-qwen3" in cmd

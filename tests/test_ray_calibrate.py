@@ -136,6 +136,21 @@ def test_cold_weights_on_cpu_actors_says_it_changed_nothing(cluster, tmp_path):
     assert len(notes) == 1 and "(CPU device)" in notes[0] and notes[0] in seen
 
 
+def kill(actor, wait_s: float = 60.0):
+    """``ray.kill`` and wait until the actor is dead: the kill goes through the GCS and
+    returns before it lands, and on a loaded machine the driver could hand the doomed actor
+    another band meanwhile (a call queued behind its band raises once it is dead)."""
+    import time
+    ray.kill(actor)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.info.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.05)
+
+
 def test_killed_actors_lose_nothing_written_and_the_rerun_completes(cluster, tmp_path):
     db = tmp_path / "killed.db"
     seen, names = [], []
@@ -146,9 +161,9 @@ def test_killed_actors_lose_nothing_written_and_the_rerun_completes(cluster, tmp
         elif event == "band":
             seen.append(kw["actor"])
             if len(seen) == 1:
-                ray.kill(ray.get_actor(names[0]))      # one GPU lost: the other goes on
+                kill(ray.get_actor(names[0]))      # one GPU lost: the other goes on
             elif len(seen) == 6:
-                ray.kill(ray.get_actor(names[1]))      # the last one lost: run incomplete
+                kill(ray.get_actor(names[1]))      # the last one lost: run incomplete
 
     res = run_ray(db, spread_every=0, progress=progress)
     assert res.incomplete
