@@ -504,8 +504,22 @@ ENGINE = """
                             sampling_params={{"temperature": 0, "max_new_tokens": {n}}})
         print("RESULT", json.dumps([o["output_ids"] for o in outs]), flush=True)
         # the model process rewrites its counters every 0.2 s, and SGLang's shutdown
-        # SIGKILLs it (no atexit): give the writer one more interval
-        time.sleep(1.0)
+        # SIGKILLs it (no atexit): wait (15 s at most, a loaded machine) until its file
+        # shows the decode steps, which come last
+        import glob, os
+        pattern = os.environ.get("FLTUNE_COUNTERS_FILE", "").replace("{{pid}}", "*")
+        deadline = time.time() + 15
+        while pattern and time.time() < deadline:
+            seen = {{}}
+            for f in glob.glob(pattern):
+                try:
+                    seen = json.load(open(f)).get("counters", {{}})
+                except (OSError, ValueError):
+                    pass
+            if len(seen.get("silu_and_mul", {{}})) >= 2:
+                break
+            time.sleep(0.2)
+        time.sleep(0.4)
         llm.shutdown()
 """
 

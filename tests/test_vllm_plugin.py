@@ -626,9 +626,17 @@ class Engines:
                 {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
                  "temperature": 0, "return_token_ids": True}, timeout=120)
             if tp > 1:
-                time.sleep(2)       # each rank rewrites its file every 0.2 s
-                out["ranks"] = {f.name: read_counters(f) for f in sorted(
-                    self.root.glob(f"counters_{name}_*.json"))}
+                # each rank rewrites its file every 0.2 s: wait (15 s at most, a loaded
+                # machine) until tp ranks' files hold counters
+                deadline = time.monotonic() + 15
+                while True:
+                    out["ranks"] = {f.name: read_counters(f) for f in sorted(
+                        self.root.glob(f"counters_{name}_*.json"))}
+                    served = [r for r in out["ranks"].values()
+                              if r.get("fingerprint") and r.get("counters")]
+                    if len(served) >= tp or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
                 return out
             # the worker rewrites the file every 0.2 s; decode steps (<= 4 rows) are the
             # ones that reach silu_and_mul's vendor band, warm-up (256 rows) never does
