@@ -1001,21 +1001,24 @@ def _by_launch(doc: dict, row: dict, sc: dict, sharers: list):
 
 def _without_claimed(model_k: dict, sharers: list, claimed: list) -> tuple:
     """A name-attributed row's kernels and sharers less what rows attributed by launch
-    claimed: their launches' calls and time come off the kernel name they ran under, and
-    they stop sharing it (else the name's whole time, their launches included, was split
-    by calls, and the row read the shapes' average)."""
+    claimed, and the launches claimed: their calls and time come off the kernel name they
+    ran under (each launch once, however many rows claimed it: o_proj and down_proj can
+    share a grid), and those rows stop sharing the name (else the name's whole time, their
+    launches included, was split by calls, and the row read the shapes' average). A row
+    that also ran a claimed launch shares that launch's time with its claimants there,
+    not here: it reads its other launches only (an edge not seen in the H200 data)."""
+    mine = [(r, launches) for r, launches in claimed if any(r is x for x in sharers)]
+    keys: dict = {}
+    for _, launches in mine:
+        keys.update(launches)
     model_k = {k: list(v) for k, v in model_k.items()}
-    gone = set()
-    for r, launches in claimed:
-        if not any(r is x for x in sharers):
-            continue
-        gone.add(id(r))
-        for key, (calls, us) in launches.items():
-            name = key.split(" grid=")[0]
-            if name in model_k:
-                model_k[name] = [model_k[name][0] - calls, model_k[name][1] - us]
+    for key, (calls, us) in keys.items():
+        name = key.split(" grid=")[0]
+        if name in model_k:
+            model_k[name] = [model_k[name][0] - calls, max(0.0, model_k[name][1] - us)]
     model_k = {k: v for k, v in model_k.items() if v[0] > 0.5}
-    return model_k, [r for r in sharers if id(r) not in gone]
+    gone = {id(r) for r, _ in mine}
+    return model_k, [r for r in sharers if id(r) not in gone], set(keys)
 
 
 def attribute(doc: dict) -> list:
@@ -1053,14 +1056,14 @@ def attribute(doc: dict) -> list:
         # model's time in proportion to the calls each makes per step
         sharers = [] if (named is not None or row["op"] in UNNAMED_PARTNERS) else \
             _stem_sharers(doc, row, stems)
-        attributed_by = "name"
+        attributed_by, taken = "name", set()
         by_launch = _by_launch(doc, row, sc, sharers)
         if by_launch is not None:
             model_k, sharers = by_launch
             attributed_by = "launch"
         elif len(sharers) > 1:
-            model_k, sharers = _without_claimed(model_k, sharers,
-                                                claimed.get(row["scenario"], []))
+            model_k, sharers, taken = _without_claimed(model_k, sharers,
+                                                       claimed.get(row["scenario"], []))
         share_calls = sum(r["calls_per_step"] for r in sharers) or row["calls_per_step"]
         n_calls = model_calls(model_k)
         model_us = sum(v[1] for v in model_k.values())
@@ -1098,7 +1101,8 @@ def attribute(doc: dict) -> list:
         own_launches = (row.get("kernel_launches") or {}).get("native.vllm") or {}
         # (a partner kernel found by launch shape is keyed by its launch already)
         model_launches = sorted(k for k in sc.get("kernel_launches") or {}
-                                if k in model_k or k.split(" grid=")[0] in model_k)
+                                if (k in model_k or k.split(" grid=")[0] in model_k)
+                                and k not in taken)
         if own_launches and model_launches:
             entry["launches"] = {"model": model_launches, "native.vllm": sorted(own_launches)}
         if n_calls and share_calls:

@@ -476,6 +476,25 @@ def _gemm_row(sig: str, grid: str, us: float) -> dict:
                 f"{name} grid=[{grid}] block=[384, 1, 1]": [1.0, us]}}}
 
 
+def test_a_launch_two_rows_claim_comes_off_the_name_once():
+    """o_proj and down_proj can run one grid: both attributed by that launch, it comes off
+    the kernel name once for the third row, which falls back to the name."""
+    name = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
+    shared, other = (f"{name} grid=[4, 16, 1] block=[384, 1, 1]",
+                     f"{name} grid=[4, 24, 1] block=[384, 1, 1]")
+    sc = {"tokens": 1, "kernels": {name: [84.0, 56 * 4.0 + 28 * 6.0]},
+          "kernel_launches": {shared: [56.0, 56 * 4.0], other: [28.0, 28 * 6.0]}}
+    rows = [_gemm_row("k=2048,n=1024", "4, 16, 1", 3.6),
+            _gemm_row("k=3072,n=1024", "4, 16, 1", 3.6),
+            _gemm_row("k=1024,n=6144", "8, 24, 1", 4.8)]
+    doc = {"alone": {"rows": rows}, "in_model": {"scenarios": {"decode_b1": sc}}}
+    o_proj, down, third = nim.attribute(doc)
+    assert o_proj["attributed_by"] == down["attributed_by"] == "launch"
+    assert o_proj["in_model_us"] == down["in_model_us"] == 4.0
+    assert (third["attributed_by"], third["in_model_us"]) == ("name", 6.0)
+    assert third["model_calls_per_step"] == 28 and third["stem_shared_by"] == 1
+
+
 def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     """Two GEMM shapes that run one cuBLAS kernel name in the model (Qwen3-0.6B's qkv and
     gate_up at one token) are each set beside the model's launches of their own grid; where
@@ -500,6 +519,7 @@ def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     # ... the name's time less the launches qkv claimed, not the two shapes' average
     assert (gate_up["in_model_us"], gate_up["attributed_by"]) == (6.0, "name")
     assert gate_up["stem_shared_by"] == 1 and gate_up["model_calls_per_step"] == 28
+    assert gate_up["launches"]["model"] == [f"{name} grid=[4, 24, 1] block=[384, 1, 1]"]
     # where neither is told apart by launch, both read the name's time split by calls
     rows[0] = _gemm_row("k=1024,n=4096", "8, 16, 1", 3.6)
     qkv, gate_up = nim.attribute(doc)

@@ -458,6 +458,12 @@ def render_verify(doc: dict, console=None, all_bands: bool = False) -> None:
                       escape("; ".join(b["reasons"])))
         console.print(t)
     counts = ", ".join(f"{v} {k}" for k, v in sorted(doc["counts"].items()))
+    if doc.get("unconfirmed"):
+        n = doc["unconfirmed"]
+        console.print(f"[yellow]note:[/] {n} band{'s' if n != 1 else ''} read ok only inside "
+                      f"their own race's spread (raced again, still too noisy to tell): "
+                      f"unconfirmed; `--all` shows them. Re-run on a quieter machine or with a "
+                      f"larger --budget")
     if doc["stale"]:
         from ..store.hints import calibrate_command
         cmds = doc.get("recalibrate") or [calibrate_command(doc["db"], force=True)]

@@ -86,6 +86,7 @@ def _verify_here(me: dict, device: str, pool, registry, payload: dict) -> dict:
     out["checked"] = len(out["bands"])
     out["stale_bands"] = sum(b["status"] != "ok" for b in out["bands"])
     out["stale"] = bool(out["stale_bands"])
+    out["unconfirmed"] = sum(1 for b in out["bands"] if b.get("unconfirmed"))
     out["status"] = "drifted" if out["stale"] else "ok"
     out["wall_s"] = round(time.perf_counter() - t0, 3)
     return out

@@ -19,9 +19,10 @@ The noise t is the largest of: the spread this run measured for the candidates c
 for the winner, and ``--noise-floor`` (default 10 %: on a GPU, clocks move replayed times
 by a few percent between processes; on a shared CPU far more — raise it there).
 
-A move or a change that the floor and the stored noise would show but this run's spread
-hides is raced again (twice at most, the quietest race kept); still hidden, the band stays
-"ok" (a tie by the noise rule) with a reason saying it is unconfirmed.
+A move or a change that the floor and the stored noise would show but this race's own
+spread hides is raced again (twice at most); the first race not hidden decides. Still
+hidden, the quietest race is kept and the band stays "ok" (a tie by the noise rule),
+marked ``unconfirmed`` with a reason, and counted in the document's ``unconfirmed``.
 
 A DB with any drifted band is stale: ``fltune verify`` exits with status 1.
 """
@@ -116,6 +117,7 @@ def run_verify(db_path: str, *, device: Optional[str] = None, ops: Optional[list
     return {"format": "fltune.verify/1", "db": str(db_path), "device": me, "db_device": row,
             "stack": now_stack, "models": models, "notes": notes, "noise_floor": noise_floor,
             "bands": bands_out, "counts": counts, "stale": bool(stale),
+            "unconfirmed": sum(1 for b in bands_out if b.get("unconfirmed")),
             "stale_bands": len(stale), "checked": len(bands_out), "recalibrate": recal,
             "wall_s": round(time.perf_counter() - t0, 3)}
 
@@ -165,11 +167,12 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
                         cold_weights=bool(timer.get("cold_weight_copies")),
                         graph_limit=limit, seed=seed)
     # a move or a change that the floor and the stored noise would show, hidden only by
-    # this re-timing's own spread, is raced again (up to RETIMES more times, the quietest
-    # race kept): five samples of a short CPU op with one preemption among them spread
-    # 1000x, and a band that spread calls "ok" was never really checked
+    # this race's own spread, is raced again (up to RETIMES more times): five samples of a
+    # short CPU op with one preemption among them spread 1000x, and a band that spread
+    # calls "ok" was never really checked. The first race not hidden decides; where all
+    # are, the quietest is kept (a tie by the noise rule, marked unconfirmed)
     base_noise = max(noise_floor, w["noise"] or 0.0)
-    first, best = rec, None
+    first, kept = rec, None
     for attempts in range(1, RETIMES + 2):
         rec = dict(first, reasons=list(first["reasons"]))
         got = {}
@@ -180,22 +183,31 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
             got = {o.impl.impl_id: o for o in v.outcomes}
         timed = _classify_outcomes(rec, roles, got)
         if "winner" not in timed:
-            best = None      # the winner cannot run (or pass parity) now: the finding
+            lost = got.get(w["impl_id"])
+            if kept is not None and lost is not None and lost.outcome == "refused":
+                # a re-race lost the winner (a timeout, a raise while timing): the earlier
+                # race stands; failing parity or qualification is a finding of its own
+                kept[1]["reasons"].append(
+                    f"race {attempts} did not time the winner ("
+                    + "; ".join(rec["reasons"][len(first["reasons"]):]) + ")")
+            else:
+                kept = None
             break
         tw, tr = timed["winner"], timed.get("runner_up")
-        spread = max(tw.noise, tr.noise if tr is not None else 0.0)
-        if best is None or spread < best[0]:
-            best = (spread, rec, timed)
         if not _hidden_by_spread(w, tw, tr, margin, base_noise):
+            kept = None
             break
-    if best is not None:
-        _, rec, timed = best
+        spread = max(tw.noise, tr.noise if tr is not None else 0.0)
+        if kept is None or spread < kept[0]:
+            kept = (spread, rec, timed)
+    if kept is not None:
+        _, rec, timed = kept
+    rec["races"] = attempts
     tw, tr = timed.get("winner"), timed.get("runner_up")
     if tw is None:
         if rec["status"] == "ok":
             rec["status"] = "unavailable"
         return rec
-    rec["races"] = attempts
     rec["winner_us"] = tw.median_us
     rec["timer"] = tw.timer
     noise = max(base_noise, tw.noise)
@@ -222,30 +234,32 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
                               f"({fmt_us(w['median_us'])} -> {fmt_us(tw.median_us)} µs; noise "
                               f"{noise:.1%})")
     if rec["status"] == "ok" and _hidden_by_spread(w, tw, tr, margin, base_noise):
-        rec["reasons"].append(f"inside this re-timing's spread {noise:.1%} (timed {attempts} "
-                              f"times), outside the floor's {base_noise:.1%}: a tie by the "
-                              f"noise rule, unconfirmed (re-run on a quieter machine, or "
-                              f"with a larger --budget)")
+        rec["unconfirmed"] = True
+        rec["reasons"].append(f"unconfirmed: inside this race's spread {noise:.1%} (raced "
+                              f"{attempts} times), outside the floor and stored noise's "
+                              f"{base_noise:.1%}: a tie by the noise rule (re-run on a "
+                              f"quieter machine, or with a larger --budget)")
     return rec
 
 
 RETIMES = 2
 
 
-def _hidden_by_spread(w: dict, tw, tr, margin: float, base_noise: float) -> bool:
-    """Whether the ratio or the runner-up's lead lies outside what the floor and the stored
-    noise allow but inside this race's own spread: only that spread keeps the band "ok"."""
-    if not w["median_us"]:
-        return False
-    full = max(base_noise, tw.noise, tr.noise if tr is not None else 0.0)
-    r = tw.median_us / w["median_us"]
+def _drift(w: dict, tw, tr, margin: float, noise: float) -> str:
+    """"changed", "moved" or "ok": the module docstring's rules with noise ``noise``."""
+    if tr is not None and tr.median_us > 0 and \
+            tw.median_us / tr.median_us - 1 > max(margin, noise):
+        return "changed"
+    r = tw.median_us / w["median_us"] if w["median_us"] else math.inf
+    return "ok" if 1 / (1 + noise) <= r <= 1 + noise else "moved"
 
-    def outside(t):
-        return not (1 / (1 + t) <= r <= 1 + t)
-    if outside(base_noise) and not outside(full):
-        return True
-    lead = tw.median_us / tr.median_us - 1 if tr is not None and tr.median_us > 0 else None
-    return lead is not None and max(margin, base_noise) < lead <= max(margin, full)
+
+def _hidden_by_spread(w: dict, tw, tr, margin: float, base_noise: float) -> bool:
+    """Whether the band reads "ok" only because this race's own spread raised the noise:
+    with the floor and the stored noise alone it would have drifted."""
+    full = max(base_noise, tw.noise, tr.noise if tr is not None else 0.0)
+    return (_drift(w, tw, tr, margin, full) == "ok"
+            and _drift(w, tw, tr, margin, base_noise) != "ok")
 
 
 def _classify_outcomes(rec: dict, roles: dict, got: dict) -> dict:

@@ -17,7 +17,6 @@ hidden size do not shard.
 from __future__ import annotations
 
 import functools
-
 import json
 import math
 from dataclasses import dataclass, field
@@ -114,9 +113,11 @@ def profiles_running(keys) -> dict:
 @functools.lru_cache(maxsize=None)
 def _profile_signatures(name: str, dtype: str) -> frozenset:
     """The (op, signature, dtype) a built-in profile's workload runs (opt-in ops too), once
-    per process: freeze asks twice (the hint's commands, the unknown-stack warning)."""
+    per process: freeze asks twice (the hint's commands, the unknown-stack warning). Read
+    from the package's file, not by name: a ``./NAME/`` directory where fltune runs would
+    shadow the built-in profile in ``load_config``."""
     try:
-        work = derive(name, dtype=dtype, device="cuda")
+        work = derive(str(PROFILE_DIR / f"{name}.json"), dtype=dtype, device="cuda")
     except ModelConfigError:
         return frozenset()
     return frozenset((it.op, it.signature, it.dtype) for it in work.items + work.opt_in)
