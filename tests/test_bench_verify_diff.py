@@ -151,6 +151,12 @@ def test_verify_flags_an_edited_winner_and_exits_1(edited):
     render(doc, console=con)
     text = con.export_text()
     assert "stale" in text and "1 of 5 bands drifted" in text and "--force" in text
+    # an ok band read ok only inside its own race's spread is named, not hidden
+    assert "unconfirmed" not in text or doc["unconfirmed"]
+    doc["unconfirmed"] = 2
+    con = Console(record=True, width=220)
+    render(doc, console=con)
+    assert "2 bands read ok only inside their own race's spread" in con.export_text()
 
 
 def test_verify_and_bench_refuse_another_devices_db():
