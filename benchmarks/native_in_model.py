@@ -1025,24 +1025,27 @@ def attribute(doc: dict) -> list:
     """The validation table: per (op, signature, scenario) native.vllm's race time and
     kernel time per call against the model's kernel time per call for the same stems."""
     table = []
-    # the rows whose GEMM kernels are told apart by launch, per scenario, and the model's
-    # launches each claims (a row of their kernel name that falls back to the name takes
-    # the rest of that name's time only)
-    claimed: dict = {}
-    for row in doc["alone"]["rows"]:
-        sc = doc["in_model"]["scenarios"].get(row["scenario"])
-        own = row["kernels"].get("native.vllm")
-        if sc is None or not isinstance(own, dict) or not own or \
-                row["op"] in UNNAMED_PARTNERS or IN_MODEL_NAMES.get(row["op"]) is not None:
-            continue
-        found = _by_launch(doc, row, sc, _stem_sharers(doc, row, _row_stems(row, own)))
-        if found is not None:
-            claimed.setdefault(row["scenario"], []).append((row, found[0]))
+    rows = []
     for row in doc["alone"]["rows"]:
         sc = doc["in_model"]["scenarios"].get(row["scenario"])
         own = row["kernels"].get("native.vllm") or {}
-        if sc is None or not isinstance(own, dict) or not own:
-            continue
+        if sc is not None and isinstance(own, dict) and own:
+            rows.append((row, sc, own))
+    # first every row's sharers by stem and, where its launches tell it apart, by launch;
+    # the launches each such row claims, per scenario (a row of their kernel name that falls
+    # back to the name takes the rest of that name's time only)
+    sharing, claimed = {}, {}
+    for row, sc, own in rows:
+        # several ops (or one op at several signatures) can share a stem: the model's time
+        # is split in proportion to the calls each makes per step
+        sharers = [] if (IN_MODEL_NAMES.get(row["op"]) is not None
+                         or row["op"] in UNNAMED_PARTNERS) else \
+            _stem_sharers(doc, row, _row_stems(row, own))
+        found = _by_launch(doc, row, sc, sharers)
+        sharing[id(row)] = sharers, found
+        if found is not None:
+            claimed.setdefault(row["scenario"], []).append((row, found[0]))
+    for row, sc, own in rows:
         stems = _row_stems(row, own)
         named = IN_MODEL_NAMES.get(row["op"])
         copy_us = None
@@ -1052,12 +1055,8 @@ def attribute(doc: dict) -> list:
             model_k = {k: v for k, v in sc["kernels"].items() if named.search(k)}
         else:
             model_k = {k: v for k, v in sc["kernels"].items() if stem(k) in stems}
-        # several ops (or one op at several signatures) can share a stem: split the
-        # model's time in proportion to the calls each makes per step
-        sharers = [] if (named is not None or row["op"] in UNNAMED_PARTNERS) else \
-            _stem_sharers(doc, row, stems)
+        sharers, by_launch = sharing[id(row)]
         attributed_by, taken = "name", set()
-        by_launch = _by_launch(doc, row, sc, sharers)
         if by_launch is not None:
             model_k, sharers = by_launch
             attributed_by = "launch"

@@ -217,17 +217,17 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
             rec["runner_up_ratio"] = tr.median_us / rec["runner_up_db_us"]
         noise = max(noise, tr.noise)
     rec["noise"] = noise
-    rec["ratio"] = tw.median_us / w["median_us"] if w["median_us"] else math.inf
+    rec["ratio"] = r = tw.median_us / w["median_us"] if w["median_us"] else math.inf
+    found = _drift(w, tw, tr, margin, noise)
     if tr is not None and tr.median_us > 0:
         lead = tw.median_us / tr.median_us - 1       # > 0: the runner-up is faster now
         rec["runner_up_lead"] = lead
-        if lead > max(margin, noise):
+        if "changed" in found:
             rec["status"] = "changed"
             rec["reasons"].append(f"runner-up {w['runner_up']} is now {lead:.1%} faster than "
                                   f"winner {w['impl_id']} (margin {margin:.0%}, noise "
                                   f"{noise:.1%})")
-    r = rec["ratio"]
-    if not (1 / (1 + noise) <= r <= 1 + noise):
+    if "moved" in found:
         if rec["status"] == "ok":
             rec["status"] = "moved"
         rec["reasons"].append(f"winner {w['impl_id']} time moved {fmt_ratio(r)} "
@@ -245,21 +245,25 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
 RETIMES = 2
 
 
-def _drift(w: dict, tw, tr, margin: float, noise: float) -> str:
-    """"changed", "moved" or "ok": the module docstring's rules with noise ``noise``."""
+def _drift(w: dict, tw, tr, margin: float, noise: float) -> list:
+    """The module docstring's rules with noise ``noise``: what they find, "changed" (the
+    runner-up ahead by more than the margin and the noise) and/or "moved" (the winner's
+    time now / DB outside [1/(1+t), 1+t]); [] where the band is ok."""
+    found = []
     if tr is not None and tr.median_us > 0 and \
             tw.median_us / tr.median_us - 1 > max(margin, noise):
-        return "changed"
+        found.append("changed")
     r = tw.median_us / w["median_us"] if w["median_us"] else math.inf
-    return "ok" if 1 / (1 + noise) <= r <= 1 + noise else "moved"
+    if not 1 / (1 + noise) <= r <= 1 + noise:
+        found.append("moved")
+    return found
 
 
 def _hidden_by_spread(w: dict, tw, tr, margin: float, base_noise: float) -> bool:
     """Whether the band reads "ok" only because this race's own spread raised the noise:
     with the floor and the stored noise alone it would have drifted."""
     full = max(base_noise, tw.noise, tr.noise if tr is not None else 0.0)
-    return (_drift(w, tw, tr, margin, full) == "ok"
-            and _drift(w, tw, tr, margin, base_noise) != "ok")
+    return not _drift(w, tw, tr, margin, full) and bool(_drift(w, tw, tr, margin, base_noise))
 
 
 def _classify_outcomes(rec: dict, roles: dict, got: dict) -> dict:
