@@ -49,6 +49,7 @@
 #                SKIPMODEL=1: the candidate alone (its warm, params-cold and in-context profiles, ~100 s),
 #                to join with an earlier run's in-model part (--analyse); IMPLS=native.vllm,
 #                vendor.flashinfer,default.flagos,vendor.vllm profiles those in context too (ranking)
+#   PHASE=draw   Inductor's first-call autotune of OP drawn DRAWS times (benchmarks/autotune_draw.py)
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy
@@ -353,6 +354,15 @@ for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'rati
   rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
+draw) {
+  # session 26: Inductor's first-call autotune of an op (OP, default rms_norm_gated) drawn
+  # DRAWS times, each in a fresh process and Inductor cache (benchmarks/autotune_draw.py)
+  el "autotune draws of ${OP:-rms_norm_gated} ($P)"
+  timeout ${TIMEOUT:-480} python3 benchmarks/autotune_draw.py --profile "$P" \
+    --op "${OP:-rms_norm_gated}" --draws ${DRAWS:-6} --out "$W"
+  echo "autotune_draw rc=$?"
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
 native) {
   # issue 11.1: native.vllm's kernels against the same ops' kernels inside the model (one
   # profiler each, benchmarks/native_in_model.py), with fresh compile caches so that both
@@ -364,6 +374,8 @@ native) {
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,decode_b64,prefill_2048,prefill_8192}"
   echo "native_in_model rc=$?"
   grep -rl "def call(" "$W/vcache" "$W/icache" 2>/dev/null > "$W/code-files.txt"
+  # (and the autotune's picks: Inductor's .best_config beside each tuned kernel)
+  find "$W/vcache" "$W/icache" -name '*.best_config' 2>/dev/null >> "$W/code-files.txt"
   tar -czf "$W/inductor-code.tgz" -T "$W/code-files.txt" 2>/dev/null
   echo "$(wc -l < "$W/code-files.txt") output modules packed"; rm -rf "$W/vcache" "$W/icache"
   el done
