@@ -526,3 +526,70 @@ def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     assert qkv["attributed_by"] == gate_up["attributed_by"] == "name"
     assert qkv["in_model_us"] == gate_up["in_model_us"] == 5.0
     assert qkv["stem_shared_by"] == gate_up["stem_shared_by"] == 2
+
+
+def _drawn_doc(slow_layers):
+    """Session 26's Qwen3.5 decode_b1: the gated norm's 18 launches split between two
+    autotune draws (XBLOCK 32: grid [1], 4.6 µs; XBLOCK 8: grid [2], 1.6 µs), and the
+    embedding's norm under the same kernel name once per step (block 32)."""
+    fast = 18 - slow_layers
+    launches = {"triton_per_fused_1 grid=[1, 1, 1] block=[32, 1, 1]": [1.0, 2.2],
+                COPY + " grid=[2, 1, 1] block=[128, 1, 1]": [18.0, 18.0]}
+    if slow_layers:
+        launches["triton_per_fused_1 grid=[1, 1, 1] block=[64, 1, 1]"] = [
+            float(slow_layers), 4.6 * slow_layers]
+    if fast:
+        launches["triton_per_fused_1 grid=[2, 1, 1] block=[64, 1, 1]"] = [float(fast), 1.6 * fast]
+    name_calls = sum(v[0] for k, v in launches.items() if k.startswith("triton_per"))
+    name_us = sum(v[1] for k, v in launches.items() if k.startswith("triton_per"))
+    doc = _doc({COPY: [18.0, 18.0], "triton_per_fused_1": [name_calls, name_us]},
+               launches=launches)
+    row = doc["alone"]["rows"][0]
+    row["kernel_launches"] = {"native.vllm": {
+        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 1.5]}}
+    row["kernels_in_layer"] = {"native.vllm": {"triton_per_fused_0": [1.0, 1.5]}}
+    return doc
+
+
+def test_layers_that_drew_two_launch_configurations_are_the_ops_calls_together():
+    """No single launch is made as often as the copy when the layers' autotunes drew two
+    configurations: the set of the name's launches that adds up to the copy's count is the
+    op's (16 x 4.6 + 2 x 1.6 over 18 calls), without the embedding norm's launch; the mix
+    is reported with the model's time at the candidate's own configuration (1.6 µs)."""
+    (e,) = nim.attribute(_drawn_doc(16))
+    assert e["in_model_us"] == round((16 * 4.6 + 2 * 1.6) / 18, 3)
+    assert e["model_launch_mix"] == {"grid=[1, 1, 1] block=[64, 1, 1]": [16.0, 4.6],
+                                     "grid=[2, 1, 1] block=[64, 1, 1]": [2.0, 1.6]}
+    assert e["in_model_at_candidate_launch_us"] == 1.6
+    w = nim.within([e])
+    (miss,) = w["outside"]          # the mix is what the model ran: still a miss, named
+    assert miss["ratio"] == e["in_layer_vs_model"] < 0.85
+    assert abs(miss["ratio_at_candidate_launch"] - 1.5 / 1.6) < 0.002  # (rounded twice)
+    assert (w["within"], w["within_at_candidate_launch"]) == (0, 1)
+
+
+def test_a_model_that_drew_the_candidates_configuration_everywhere_has_no_mix():
+    (e,) = nim.attribute(_drawn_doc(0))
+    assert e["in_model_us"] == 1.6 and "model_launch_mix" not in e
+    w = nim.within([e])
+    assert (w["within"], w["within_at_candidate_launch"]) == (1, 1)
+
+
+def test_every_layer_on_another_configuration_has_nothing_to_compare_at_the_candidates():
+    (e,) = nim.attribute(_drawn_doc(18))
+    assert e["in_model_us"] == 4.6
+    assert e["model_launch_mix"] == {"grid=[1, 1, 1] block=[64, 1, 1]": [18.0, 4.6]}
+    assert e["in_model_at_candidate_launch_us"] is None
+    (miss,) = nim.within([e])["outside"]
+    assert "ratio_at_candidate_launch" not in miss
+
+
+def test_launches_that_add_up_two_ways_are_not_guessed():
+    """Two sets of one name's launches reach the copy's count: none is taken (the name's
+    time is shared by calls, as without launch shapes)."""
+    import re
+    launches = {"k grid=[1, 1, 1] block=[64, 1, 1]": [9.0, 9.0],
+                "k grid=[2, 1, 1] block=[64, 1, 1]": [9.0, 9.0],
+                "k grid=[4, 1, 1] block=[64, 1, 1]": [9.0, 9.0]}
+    assert nim.launches_summing_to(launches, re.compile("^k"), 18.0) == {}
+    assert len(nim.launches_summing_to(launches, re.compile("^k"), 27.0)) == 3
