@@ -343,3 +343,28 @@ def test_drift_rules(monkeypatch):
     # the calibration's own stored noise counts too
     assert _verify_one(monkeypatch, 5.0, {"w.impl": 6.0, "r.impl": 10.0},
                        db_noise=0.3)["status"] == "ok"
+
+
+def test_a_move_only_the_stored_noise_hides_is_said_and_given_the_way_out(monkeypatch):
+    """The calibration stored a 500 % spread for the band (a loaded machine, a tiny
+    budget); the winner now runs 2x its DB time in a quiet race. By the noise rule that is a
+    tie, so the band stays "ok", but it says the stored noise is what hides the move; a band
+    whose stored noise hides nothing (no move) says nothing."""
+    races = []
+    rec = _verify_one(monkeypatch, 5.0, {}, db_noise=5.0, timer=_scripted(races, [
+        {"w.impl": (10.0, 0.01), "r.impl": (20.0, 0.01)}]))
+    assert rec["status"] == "ok" and rec["unconfirmed"] and rec["stored_noise_hides"]
+    assert rec["races"] == 1 and "500.0%" in rec["reasons"][-1]
+    races.clear()
+    rec = _verify_one(monkeypatch, 10.0, {}, db_noise=5.0, timer=_scripted(races, [
+        {"w.impl": (10.0, 0.01), "r.impl": (20.0, 0.01)}]))
+    assert rec["status"] == "ok" and not rec.get("unconfirmed") and not rec["reasons"]
+    # a stored noise under this race's own hides nothing of its own: the spread rule's case
+    races.clear()
+    rec = _verify_one(monkeypatch, 5.0, {}, db_noise=0.2, timer=_scripted(races, [
+        {"w.impl": (6.0, 0.01), "r.impl": (20.0, 0.01)}]))
+    assert rec["status"] == "ok" and rec["stored_noise_hides"]     # 1.2x: in 20 %, out of 10 %
+    races.clear()
+    rec = _verify_one(monkeypatch, 5.0, {}, db_noise=0.2, timer=_scripted(races, [
+        {"w.impl": (6.0, 0.3), "r.impl": (20.0, 0.01)}]))
+    assert rec["status"] == "ok" and not rec.get("stored_noise_hides")

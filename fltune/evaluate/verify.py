@@ -23,6 +23,9 @@ A move or a change that the floor and the stored noise would show but this race'
 spread hides is raced again (twice at most); the first race not hidden decides. Still
 hidden, the quietest race is kept and the band stays "ok" (a tie by the noise rule),
 marked ``unconfirmed`` with a reason, and counted in the document's ``unconfirmed``.
+So is a band whose move this race shows but the noise the calibration *stored* for it hides
+(``stored_noise_hides``: a calibration on a loaded machine can store hundreds of percent,
+and the band could then never be seen to move); its re-calibration command is listed.
 
 A DB with any drifted band is stale: ``fltune verify`` exits with status 1.
 """
@@ -107,7 +110,7 @@ def run_verify(db_path: str, *, device: Optional[str] = None, ops: Optional[list
     # the way out: per model whose bands drifted, the command that re-measures it
     recal = []
     for w, b in zip(winners, bands_out):
-        if b["status"] != "ok" and w.get("run_id") in runs:
+        if (b["status"] != "ok" or b.get("stored_noise_hides")) and w.get("run_id") in runs:
             cmd = calibrate_command(db_path, runs[w["run_id"]], force=True)
             if cmd not in recal:
                 recal.append(cmd)
@@ -239,6 +242,18 @@ def verify_band(w: dict, meas: dict, registry, dev: str, *, pool=None, margin: f
                               f"{attempts} times), outside the floor and stored noise's "
                               f"{base_noise:.1%}: a tie by the noise rule (re-run on a "
                               f"quieter machine, or with a larger --budget)")
+    own = max(noise_floor, tw.noise, tr.noise if tr is not None else 0.0)
+    if rec["status"] == "ok" and not rec.get("unconfirmed") and (w["noise"] or 0.0) > own \
+            and _drift(w, tw, tr, margin, own):
+        # the calibration's own spread, stored with the band, can be hundreds of percent
+        # (a loaded machine, a tiny budget): it then hides any move this race shows, and
+        # the band would read "ok" without ever being checkable. Said, and the way out given
+        rec["unconfirmed"] = True
+        rec["stored_noise_hides"] = True
+        rec["reasons"].append(f"unconfirmed: outside this race's noise {own:.1%} but inside "
+                              f"the {w['noise']:.1%} the calibration stored for the band: "
+                              f"re-race the band to store a fresh noise (the recalibrate "
+                              f"command)")
     return rec
 
 
