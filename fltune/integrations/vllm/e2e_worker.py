@@ -85,6 +85,9 @@ class Worker:
         t0 = time.perf_counter()
         self.llm = LLM(model=spec["model_dir"], **engine)
         self.init_s = time.perf_counter() - t0
+        #: whether this engine compiled its model or loaded it from vLLM's compile cache,
+        #: read right after the start (the driver restarts a compiled arm: ``start_state``)
+        self.compile_start = compile_start_state(read_compilation_counter())
         try:
             self.vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         except Exception:
@@ -336,6 +339,7 @@ class Worker:
                               "counters": ops.counters()}
         except Exception as e:
             info["fltune"] = {"error": repr(e)}
+        info["compile_start"] = self.compile_start
         if self.cuda:
             info["device_name"] = torch.cuda.get_device_name(0)
             info["memory_allocated"] = torch.cuda.memory_allocated()
@@ -593,6 +597,48 @@ def _tp_rank(worker) -> int:
         return int(get_tp_group().rank_in_group)
     except Exception:
         return int(getattr(worker, "rank", 0) or 0)
+
+
+#: vLLM's compilation counters that only a start that compiled the model moves (Inductor or
+#: AOT compiles, artifacts written to the compile cache), and those a start that loaded it
+#: moves (``vllm/compilation/counter.py``, the same fields in vLLM 0.24 and 0.32)
+COMPILED_COUNTERS = ("num_inductor_compiles", "num_aot_compiles", "num_cache_entries_updated",
+                     "num_compiled_artifacts_saved", "num_aot_artifacts_saved")
+LOADED_COUNTERS = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded",
+                   "num_backend_compilations")
+
+
+def read_compilation_counter() -> dict | None:
+    """vLLM's process-wide compilation counters (non-zero fields), or None where this vLLM
+    has none. With the multiprocess engine the compile runs in the engine core's process
+    and these stay at zero here."""
+    try:
+        import dataclasses
+
+        from vllm.compilation.counter import compilation_counter
+        return {k: v for k, v in dataclasses.asdict(compilation_counter).items() if v}
+    except Exception:
+        return None
+
+
+def compile_start_state(counters: dict | None) -> dict:
+    """``{"state": "compiled" | "loaded" | "none" | "unknown", "counters": ...}`` of an
+    engine start, from :func:`read_compilation_counter`: "compiled" where any of
+    :data:`COMPILED_COUNTERS` moved (this start compiled at least one graph), "loaded"
+    where only :data:`LOADED_COUNTERS` did (every graph came from the cache), "none" where
+    none moved (eager, or the compile ran in another process), "unknown" without counters.
+
+    Why it matters: a compiled and a loaded engine of the same model ran a host-bound
+    prefill 5-15 % apart on the H200 (``fltune.evaluate.e2e.START_STATES``)."""
+    if counters is None:
+        return {"state": "unknown", "counters": None}
+    if any(counters.get(k) for k in COMPILED_COUNTERS):
+        state = "compiled"
+    elif any(counters.get(k) for k in LOADED_COUNTERS):
+        state = "loaded"
+    else:
+        state = "none"
+    return {"state": state, "counters": dict(counters)}
 
 
 def trace_kernels(tr: dict) -> dict:
