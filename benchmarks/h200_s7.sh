@@ -53,6 +53,9 @@
 #   PHASE=opsadj the ops whose picks fiops changed, decided by model step (both models)
 #   PHASE=fiops  FlashInfer's norm/activation/rope candidates raced (calibrate --force) for
 #                both models' ops into the shipped DB's copy
+#   PHASE=state  the wall A/A against the engines' compile state (session 27): vanilla, aa,
+#                caa=recompiled, first=first-start; START_STATE (default loaded) restarts the
+#                compiled ones but first
 #   PHASE=pinaa  (session 10: spent in the GDN JIT, nothing measured) issue 11: a vanilla A/A/A with `--pinning measure` (PINNING=
 #                shared for the side-by-side); PINNING also reaches sgab and linbench. Then
 #                benchmarks/probe_check.py: do the runs' host-speed probes see the slow periods?
@@ -223,6 +226,35 @@ if "off-compiled" in d and "on-compiled" in d:
     for k, v in d.items():
         print(k, "tok/s", v["output_tok_per_s"], "init_s", v["init_s"])
 PY
+  el done
+} 2>&1 | tee "$W/log"; pack ;;
+state) {
+  # session 27: the wall A/A against the engines' compile state. Four vanilla engines of one
+  # model: vanilla and aa share one compile cache (vanilla compiles it on a fresh machine, aa
+  # loads it), caa (recompiled) and first (first-start) each compile into fresh caches of their
+  # own; with the default start_state=loaded vanilla and caa are started again and load what
+  # they compiled, first is kept as it compiled. If a compiled engine runs a host-bound
+  # prefill slower than a loaded one (sessions 7-18's A/A: aa faster than a compiled vanilla
+  # in 9 of 10 runs), first reads below 1 at prefill 2048 and aa and caa read 1.
+  el "compile-state A/A (start_state ${START_STATE:-loaded})"
+  FLTUNE_E2E_TIME_LIMIT=$(lim 560) timeout ${TIMEOUT:-560} python3 -m fltune bench --e2e --model "$P" \
+    --arm vanilla=vanilla --arm aa=vanilla --arm caa=recompiled --arm first=first-start \
+    --reps ${REPS:-12} --warmup ${WARMUP:-1} --start-state ${START_STATE:-loaded} \
+    --scenarios "${SCENARIOS:-decode_b1,prefill_2048}" --pinning ${PINNING:-shared} \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print('start_state', json.dumps(d['host'].get('start_state')))
+for n, a in d['arms'].items():
+    print(n, 'compile', (a.get('compile') or {}).get('state'), 'first', ((a.get('first_start') or {}).get('compile') or {}).get('state'),
+          'start_s', a.get('start_s'), 'first_start_s', (a.get('first_start') or {}).get('start_s'))
+for p in d['points']:
+    print(p['scenario'], p['arm'], 'n', p['n'], 'wall', round(p['ratio_median'], 3), [round(p['ci_low'], 3), round(p['ci_high'], 3)],
+          'kernel', p.get('kernel_ratio_median') and round(p['kernel_ratio_median'], 4), p.get('kernel_ci_low') and [round(p['kernel_ci_low'], 4), round(p['kernel_ci_high'], 4)])
+print('notes', d.get('engine_notes'))" "$W/e2e-raw.json"
+  find "$W" -name '*.log' -size +200k -exec gzip {} \;
+  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 pinaa) {
