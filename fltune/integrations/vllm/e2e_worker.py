@@ -599,13 +599,15 @@ def _tp_rank(worker) -> int:
         return int(getattr(worker, "rank", 0) or 0)
 
 
-#: vLLM's compilation counters that only a start that compiled the model moves (Inductor or
-#: AOT compiles, artifacts written to the compile cache), and those a start that loaded it
-#: moves (``vllm/compilation/counter.py``, the same fields in vLLM 0.24 and 0.32)
-COMPILED_COUNTERS = ("num_inductor_compiles", "num_aot_compiles", "num_cache_entries_updated",
+#: vLLM's compilation counters (``vllm/compilation/counter.py``, the same fields in vLLM 0.24
+#: and 0.32) that only a start that compiled the model and wrote it to the compile cache
+#: moves, and those a start that loaded it from there moves. ``num_inductor_compiles`` is in
+#: neither: on the H200 (vLLM 0.24, session 27) a start that loaded every graph from the
+#: cache still counted 26 of them (against 29 in the start that compiled), so it says
+#: "compiled" only where nothing was loaded either (a compile with the cache switched off)
+COMPILED_COUNTERS = ("num_aot_compiles", "num_cache_entries_updated",
                      "num_compiled_artifacts_saved", "num_aot_artifacts_saved")
-LOADED_COUNTERS = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded",
-                   "num_backend_compilations")
+LOADED_COUNTERS = ("num_aot_artifacts_loaded", "num_compiled_artifacts_loaded")
 
 
 def read_compilation_counter() -> dict | None:
@@ -624,9 +626,11 @@ def read_compilation_counter() -> dict | None:
 def compile_start_state(counters: dict | None) -> dict:
     """``{"state": "compiled" | "loaded" | "none" | "unknown", "counters": ...}`` of an
     engine start, from :func:`read_compilation_counter`: "compiled" where any of
-    :data:`COMPILED_COUNTERS` moved (this start compiled at least one graph), "loaded"
-    where only :data:`LOADED_COUNTERS` did (every graph came from the cache), "none" where
-    none moved (eager, or the compile ran in another process), "unknown" without counters.
+    :data:`COMPILED_COUNTERS` moved (this start compiled and saved at least one graph), or
+    where graphs went through the compiler and nothing was saved or loaded (the compile
+    cache off); "loaded" where :data:`LOADED_COUNTERS` moved and none that writes; "none"
+    where none moved (eager, or the compile ran in another process); "unknown" without
+    counters.
 
     Why it matters: a compiled and a loaded engine of the same model ran a host-bound
     prefill 5-15 % apart on the H200 (``fltune.evaluate.e2e.START_STATES``)."""
@@ -636,6 +640,8 @@ def compile_start_state(counters: dict | None) -> dict:
         state = "compiled"
     elif any(counters.get(k) for k in LOADED_COUNTERS):
         state = "loaded"
+    elif counters.get("num_inductor_compiles") or counters.get("num_backend_compilations"):
+        state = "compiled"      # compiled, nothing written or read: the cache is off
     else:
         state = "none"
     return {"state": state, "counters": dict(counters)}
