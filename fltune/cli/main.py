@@ -1053,7 +1053,7 @@ def _add_bench(sub) -> None:
                    help="loaded: an arm whose engine compiled the model at its start is "
                         "started again (it then loads it from vLLM's compile cache), so every "
                         "arm is measured as a loaded engine (default on CUDA: a compiled one "
-                        "ran a host-bound prefill 5-15 %% slower on the H200); as-started: "
+                        "ran a host-bound prefill 6-8 %% slower on the H200); as-started: "
                         "each as its start left it (default on CPU; FLTUNE_E2E_START_STATE). "
                         "The arm spec first-start keeps its compiled state either way")
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",

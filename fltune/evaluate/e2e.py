@@ -1041,12 +1041,14 @@ def _block_fits(now: float, block_s: float, deadline: float) -> bool:
 #:
 #: Why: in 10 of the H200's wall A/A runs where vanilla compiled and the second vanilla
 #: process ("aa", started after it from the same cache) loaded, aa read a 2048-token prefill
-#: faster in 9 (median ratio 1.06, up to 1.17) with the kernel time within 1 %; where both
-#: loaded the same point read 1.000-1.019, and a compile A/A arm (compiled) against a vanilla
-#: that had loaded read 0.93 (README "Against vanilla vLLM, twelfth run"). A compiled process
-#: runs the host side of an eager (not CUDA-graphed) step slower than one that loaded the
-#: same graphs, so an A/A or an A/B between a compiled and a loaded arm measures that, not
-#: the arms' code. Loaded is the state every start after a model's first has.
+#: faster in 9 (median ratios 1.04-1.17); measured directly (session 27, both models), an
+#: engine kept compiled read that point 0.925 / 0.926 [CI wholly below 1] against a loaded
+#: vanilla, its step 6-8 % longer with the same kernel time, while loaded A/As read
+#: 0.94-1.03 (README "Against vanilla vLLM, twelfth run";
+#: ``benchmarks/compile_state_history.py``). A compiled process runs the host side of an
+#: eager (not CUDA-graphed) step slower than one that loaded the same graphs, so an A/A or an
+#: A/B between a compiled and a loaded arm measures that, not the arms' code. Loaded is the
+#: state every start after a model's first has.
 START_STATES = ("loaded", "as-started")
 
 
@@ -1083,7 +1085,7 @@ def start_state_note(states: dict, baseline: str) -> str | None:
     by = {s: sorted(n for n, t in told.items() if t == s) for s in ("compiled", "loaded")}
     return (f"arms in different compile states: compiled {', '.join(by['compiled'])}; loaded "
             f"{', '.join(by['loaded'])} (baseline {baseline}: {told.get(baseline, '?')}). On "
-            f"the H200 a compiled engine ran a 2048-token prefill's host side 5-15 % slower "
+            f"the H200 a compiled engine ran a 2048-token prefill 6-8 % slower "
             f"than a loaded one: wall ratios between the two states carry that "
             f"(start_state='loaded' restarts the compiled arms)")
 

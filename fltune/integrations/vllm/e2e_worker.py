@@ -633,7 +633,7 @@ def compile_start_state(counters: dict | None) -> dict:
     counters.
 
     Why it matters: a compiled and a loaded engine of the same model ran a host-bound
-    prefill 5-15 % apart on the H200 (``fltune.evaluate.e2e.START_STATES``)."""
+    prefill 6-8 % apart on the H200 (``fltune.evaluate.e2e.START_STATES``)."""
     if counters is None:
         return {"state": "unknown", "counters": None}
     if any(counters.get(k) for k in COMPILED_COUNTERS):
