@@ -593,3 +593,67 @@ def test_launches_that_add_up_two_ways_are_not_guessed():
                 "k grid=[4, 1, 1] block=[64, 1, 1]": [9.0, 9.0]}
     assert nim.launches_summing_to(launches, re.compile("^k"), 18.0) == {}
     assert len(nim.launches_summing_to(launches, re.compile("^k"), 27.0)) == 3
+
+
+def test_a_point_inside_by_the_mix_but_outside_at_the_candidates_launch_is_counted_there():
+    """within_at_candidate_launch reads every point whose model drew other launches at the
+    candidate's own launch, not only the misses: a point inside by the mix can be outside
+    there."""
+    doc = _drawn_doc(16)
+    row = doc["alone"]["rows"][0]
+    # the candidate's launch is the fast one, but it takes 4.0 µs there: by the mix (4.267)
+    # it reads 0.94, inside; at its own launch (the model's 1.6 there) 2.5, far outside
+    row["kernel_launches"]["native.vllm"] = {
+        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 4.0]}
+    row["kernels_in_layer"]["native.vllm"] = {"triton_per_fused_0": [1.0, 4.0]}
+    (e,) = nim.attribute(doc)
+    w = nim.within([e])
+    assert w["within"] == 1 and not w["outside"]
+    (d,) = w["drawn_points"]
+    assert abs(d["ratio_at_candidate_launch"] - 4.0 / 1.6) < 0.01
+    assert w["within_at_candidate_launch"] == 0
+
+
+def test_a_miss_that_stays_a_miss_at_the_candidates_launch_is_not_excused():
+    doc = _drawn_doc(16)
+    row = doc["alone"]["rows"][0]
+    row["kernel_launches"]["native.vllm"] = {
+        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 0.8]}
+    row["kernels_in_layer"]["native.vllm"] = {"triton_per_fused_0": [1.0, 0.8]}
+    (e,) = nim.attribute(doc)
+    w = nim.within([e])
+    (miss,) = w["outside"]
+    assert abs(miss["ratio_at_candidate_launch"] - 0.5) < 0.01
+    assert (w["within"], w["within_at_candidate_launch"]) == (0, 0)
+
+
+def test_sets_that_add_up_are_looked_for_per_name_and_not_beyond_eight_launches():
+    import re
+    two_names = {"k_a grid=[1, 1, 1] block=[64, 1, 1]": [16.0, 73.6],
+                 "k_a grid=[2, 1, 1] block=[64, 1, 1]": [2.0, 3.2],
+                 "k_b grid=[1, 1, 1] block=[64, 1, 1]": [5.0, 5.0]}
+    got = nim.launches_summing_to(two_names, re.compile("^k_"), 18.0)
+    assert set(got) == {"k_a grid=[1, 1, 1] block=[64, 1, 1]",
+                        "k_a grid=[2, 1, 1] block=[64, 1, 1]"}
+    # a set may not mix two names' launches: 16 + 2 from k_a only, never 13 + 5
+    assert nim.launches_summing_to(two_names, re.compile("^k_"), 21.0) == {}
+    nine = {f"k grid=[{i}, 1, 1] block=[64, 1, 1]": [2.0, 2.0] for i in range(1, 10)}
+    nine["j grid=[1, 1, 1] block=[64, 1, 1]"] = [18.0, 18.0]
+    # nine configurations of one name: open, even though another name adds up alone
+    assert nim.launches_summing_to(nine, re.compile("^[kj] "), 18.0) == {}
+    # fractions of a call per step are no layer's copy: 17 + 0.4 + 0.6 is not 18 (0.4 is
+    # left out; 17 + 0.6 is within half a call but not within half of 0.6)
+    frac = {"k grid=[1, 1, 1] block=[64, 1, 1]": [17.0, 17.0],
+            "k grid=[2, 1, 1] block=[64, 1, 1]": [0.4, 0.4],
+            "k grid=[4, 1, 1] block=[64, 1, 1]": [0.6, 0.6]}
+    assert nim.launches_summing_to(frac, re.compile("^k "), 18.0) == {}
+    assert nim.launches_summing_to(frac, re.compile("^k "), 17.0) == {
+        "k grid=[1, 1, 1] block=[64, 1, 1]": [17.0, 17.0]}
+
+
+def test_a_launch_mix_with_no_calls_at_the_candidates_configuration_divides_by_nothing():
+    model = {"k grid=[1, 1, 1] block=[64, 1, 1]": [18.0, 82.8],
+             "k grid=[2, 1, 1] block=[64, 1, 1]": [0.0, 0.0]}
+    own = {"k grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 1.5]}
+    mix, at_own = nim.launch_mix(model, own)
+    assert at_own is None and mix["grid=[2, 1, 1] block=[64, 1, 1]"] == [0.0, None]
