@@ -16,9 +16,11 @@ fastest; if two are near-equal there, the pick is noise, and decode then runs wh
 Each draw is a fresh process with a fresh Inductor cache (``TORCHINDUCTOR_CACHE_DIR``: the
 autotune's ``.best_config`` and the FX graph are cached there, and would decide every later
 draw); the Triton binary cache is shared (it keeps compiled kernels, not decisions). In each
-draw the candidate is built at the first size given (traced and autotuned at 8192 tokens, as
-the race builds it), then profiled at every size: the launch (grid, block) and µs per call.
-Inductor's own log of the autotune (every configuration's time at the first call) is kept.
+draw the candidate is built as the race builds it (``native.vllm`` traces and autotunes at
+8192 tokens, whatever sizes are asked), then profiled at every size given, in the order
+given: the launch (grid, block) and µs per call. Inductor's own log of the autotune (every
+configuration's time at the first call: up to 200 lines) is kept. A draw that fails or
+outlasts ``--timeout`` is recorded as an error; the JSON is written after every draw.
 
 Writes DIR/autotune-draw-<profile>-<op>.json and prints one line per draw and a summary per
 configuration drawn.
@@ -69,7 +71,7 @@ def child(profile: str, op: str, sizes: list, n: int) -> dict:
             kernels, launches = profile_calls(lambda: impl.fn(*args), n=n, warmup=3)
             out["sizes"][str(tokens)] = {"kernels": kernels, "launches": launches}
     out["autotune_log"] = [ln for ln in lines if "Benchmark" in ln or "nreg" in ln
-                           or "XBLOCK" in ln][:40]
+                           or "XBLOCK" in ln][:200]
     return out
 
 
@@ -79,8 +81,8 @@ def config_of(launches: dict) -> str:
 
 
 def summarise(draws: list, sizes: list) -> list:
-    """Per configuration drawn (named by its launch at the smallest size): how many draws
-    drew it and the median µs per call at every size across those draws."""
+    """Per configuration drawn (named by its launch at the first size given, ``sizes[0]``):
+    how many draws drew it and the median µs per call at every size across those draws."""
     groups: dict = {}
     for d in draws:
         if "sizes" not in d:
@@ -93,6 +95,7 @@ def summarise(draws: list, sizes: list) -> list:
                                                   .values()) for d in ds), 3)
               for t in sizes}
         out.append({"launch_at_smallest": key, "draws": len(ds), "us_per_call": us})
+        # (key name kept for the files already written: it is the launch at sizes[0])
     return out
 
 
@@ -102,7 +105,10 @@ def main() -> None:
     ap.add_argument("--op", default="rms_norm_gated")
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--sizes", default="1,16,64,2048,8192",
-                    help="token counts, comma-separated; the first builds the candidate")
+                    help="token counts, comma-separated, profiled in this order (the "
+                         "summary names a draw by its launch at the first)")
+    ap.add_argument("--timeout", type=float, default=480.0,
+                    help="seconds one draw may take (a device call has 600)")
     ap.add_argument("--n", type=int, default=20, help="calls profiled per size")
     ap.add_argument("--out", default=".")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -112,18 +118,31 @@ def main() -> None:
         print("DRAW " + json.dumps(child(a.profile, a.op, sizes, a.n)), flush=True)
         return
     draws = []
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"autotune-draw-{a.profile}-{a.op}.json")
+
+    def write(summary=None):
+        doc = {"profile": a.profile, "op": a.op, "sizes": sizes, "command": " ".join(sys.argv),
+               "draws": draws, "summary": summary if summary is not None
+               else summarise(draws, sizes)}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+
     for k in range(a.draws):
         with tempfile.TemporaryDirectory(prefix="draw-inductor-") as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            p = subprocess.run([sys.executable, __file__, "--child", "--profile", a.profile,
-                                "--op", a.op, "--sizes", a.sizes, "--n", str(a.n)],
-                               env=env, capture_output=True, text=True, timeout=600)
-        found = [ln for ln in p.stdout.splitlines() if ln.startswith("DRAW ")]
-        if p.returncode or not found:
-            d = {"error": f"rc={p.returncode}: {p.stderr[-600:]}"}
-        else:
-            d = json.loads(found[-1][5:])
+            try:
+                p = subprocess.run([sys.executable, __file__, "--child", "--profile",
+                                    a.profile, "--op", a.op, "--sizes", a.sizes,
+                                    "--n", str(a.n)],
+                                   env=env, capture_output=True, text=True, timeout=a.timeout)
+                found = [ln for ln in p.stdout.splitlines() if ln.startswith("DRAW ")]
+                d = (json.loads(found[-1][5:]) if not p.returncode and found else
+                     {"error": f"rc={p.returncode}: {p.stderr[-600:]}"})
+            except subprocess.TimeoutExpired:
+                d = {"error": f"no result within {a.timeout:.0f} s"}
         draws.append(d)
+        write()             # a call cut at its limit keeps the draws made
         if "sizes" in d:
             print(f"draw {k}: " + "  ".join(
                 f"{t}: {config_of(d['sizes'][str(t)]['launches'])} "
@@ -135,12 +154,7 @@ def main() -> None:
     for s in summary:
         print(f"{s['draws']} of {len(draws)} draws: {s['launch_at_smallest']} at {sizes[0]} "
               f"token(s); µs per call {s['us_per_call']}", flush=True)
-    doc = {"profile": a.profile, "op": a.op, "sizes": sizes, "command": " ".join(sys.argv),
-           "draws": draws, "summary": summary}
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"autotune-draw-{a.profile}-{a.op}.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    write(summary)
     print(f"wrote {path}")
 
 
