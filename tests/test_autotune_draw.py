@@ -63,3 +63,4 @@ def test_a_draw_past_its_limit_is_an_error_and_the_file_holds_every_draw_made(
     assert doc["summary"][0]["draws"] == 1
     # before the second draw ran, the first (the timed-out one) was already on disk
     assert written[1] == [{"error": "no result within 5 s"}]
+

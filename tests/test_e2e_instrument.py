@@ -431,12 +431,19 @@ def test_start_state_is_loaded_on_cuda_as_started_on_cpu_unless_the_env_says(mon
 
 
 def test_only_an_arm_that_compiled_is_restarted_and_only_under_loaded():
-    compiled, loaded = {"state": "compiled"}, {"state": "loaded"}
+    compiled = {"state": "compiled", "counters": {"num_inductor_compiles": 29,
+                                                  "num_aot_artifacts_saved": 1}}
+    loaded = {"state": "loaded", "counters": {"num_aot_artifacts_loaded": 1}}
     assert e2e.restart_wanted("loaded", compiled, keep_compiled=False)
     assert not e2e.restart_wanted("as-started", compiled, keep_compiled=False)
     assert not e2e.restart_wanted("loaded", compiled, keep_compiled=True)   # first-start
-    for other in (loaded, {"state": "none"}, {"state": "unknown"}, None):
+    # compiled with the cache off: a restart could only compile again
+    cache_off = {"state": "compiled", "counters": {"num_inductor_compiles": 3}}
+    for other in (loaded, cache_off, {"state": "none"}, {"state": "unknown"}, None):
         assert not e2e.restart_wanted("loaded", other, keep_compiled=False)
+    # the restarts must fit the time limit with room to measure after them
+    assert e2e.restarts_fit(now=100.0, longest_start_s=80.0, deadline=400.0)
+    assert not e2e.restarts_fit(now=300.0, longest_start_s=80.0, deadline=400.0)
     first = e2e.parse_arm("first=first-start")
     assert first.keep_compiled and first.env == e2e.parse_arm("x=recompiled").env
     assert not e2e.parse_arm("caa=recompiled").keep_compiled
@@ -611,7 +618,8 @@ def test_an_arm_that_compiled_is_started_again_in_its_own_caches(run):
     if info["compile"]["state"] == "loaded":
         assert "Directly load" in relog and "aa" not in again
     else:
-        assert "aa" in again and "saved AOT compiled function" in relog
+        assert "aa" in again and ("saved AOT compiled function" in relog
+                                  or "Compiling a graph" in relog)
         assert any(n.startswith("started again, compiled again: ") and "aa" in n
                    for n in res.engine_notes)
     s = res.to_summary(device="cpu", model="tiny", vllm="0", command="pytest")
@@ -693,6 +701,13 @@ def test_summary_and_raw_files(run):
     text = con.export_text()
     assert "decode_b2" in text and "aa" in text and "broken" in text
     assert "host profile prefill_32 (cProfile, per run): routed" in text
+
+
+def test_cli_says_start_state_belongs_to_the_e2e_bench():
+    r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--model", str(FIXTURE),
+                        "--start-state", "loaded"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "--start-state belongs to `fltune bench --e2e`" in r.stderr
 
 
 def test_cli_refuses_a_bad_arm_spec():
