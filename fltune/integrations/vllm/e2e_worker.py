@@ -624,8 +624,9 @@ def read_compilation_counter() -> dict | None:
 
 
 def compile_start_state(counters: dict | None) -> dict:
-    """``{"state": "compiled" | "loaded" | "none" | "unknown", "counters": ...}`` of an
-    engine start, from :func:`read_compilation_counter`: "compiled" where any of
+    """``{"state": "compiled" | "loaded" | "none" | "unknown", "saved": bool, "counters":
+    ...}`` of an engine start, from :func:`read_compilation_counter` (``saved``: it wrote
+    what it compiled to the compile cache, so a restart can load it): "compiled" where any of
     :data:`COMPILED_COUNTERS` moved (this start compiled and saved at least one graph), or
     where graphs went through the compiler and nothing was saved or loaded (the compile
     cache off); "loaded" where :data:`LOADED_COUNTERS` moved and none that writes; "none"
@@ -635,8 +636,9 @@ def compile_start_state(counters: dict | None) -> dict:
     Why it matters: a compiled and a loaded engine of the same model ran a host-bound
     prefill 6-8 % apart on the H200 (``fltune.evaluate.e2e.START_STATES``)."""
     if counters is None:
-        return {"state": "unknown", "counters": None}
-    if any(counters.get(k) for k in COMPILED_COUNTERS):
+        return {"state": "unknown", "saved": False, "counters": None}
+    saved = any(counters.get(k) for k in COMPILED_COUNTERS)
+    if saved:
         state = "compiled"
     elif any(counters.get(k) for k in LOADED_COUNTERS):
         state = "loaded"
@@ -644,7 +646,7 @@ def compile_start_state(counters: dict | None) -> dict:
         state = "compiled"      # compiled, nothing written or read: the cache is off
     else:
         state = "none"
-    return {"state": state, "counters": dict(counters)}
+    return {"state": state, "saved": saved, "counters": dict(counters)}
 
 
 def trace_kernels(tr: dict) -> dict:
