@@ -106,7 +106,8 @@ M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 [ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
-W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}; mkdir -p "$W"
+# TAG=NAME keeps two calls of one phase and model apart (their own folder and archive)
+W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}${TAG:+-$TAG}; mkdir -p "$W"
 # (the cache sizes say whether carrying warm caches to a later machine would pay)
 # (a phase's archive over 15 MiB comes back in parts, $OUT/<phase>.tgz.partN, join with
 # `cat <phase>.tgz.part* > <phase>.tgz`: the device tool leaves out any file over its limit,
@@ -151,6 +152,20 @@ keep_decisions() {
   cp $DB "$W/"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W"/*/model
+}
+# an instrument run's compile state per arm (session 27: start_state) and its points
+state_summary() {
+  python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print('start_state', json.dumps(d['host'].get('start_state')))
+for n, a in d['arms'].items():
+    print(n, 'compile', (a.get('compile') or {}).get('state'), 'first', ((a.get('first_start') or {}).get('compile') or {}).get('state'),
+          'start_s', a.get('start_s'), 'first_start_s', (a.get('first_start') or {}).get('start_s'))
+for p in d['points']:
+    print(p['scenario'], p['arm'], 'n', p['n'], 'wall', round(p['ratio_median'], 3), [round(p['ci_low'], 3), round(p['ci_high'], 3)],
+          'kernel', p.get('kernel_ratio_median') and round(p['kernel_ratio_median'], 4), p.get('kernel_ci_low') and [round(p['kernel_ci_low'], 4), round(p['kernel_ci_high'], 4)])
+print('notes', d.get('engine_notes'))" "$1"
 }
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
@@ -242,17 +257,7 @@ state) {
     --reps ${REPS:-12} --warmup ${WARMUP:-1} --start-state ${START_STATE:-loaded} \
     --scenarios "${SCENARIOS:-decode_b1,prefill_2048}" --pinning ${PINNING:-shared} \
     --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
-  python3 -c "
-import json, sys
-d = json.load(open(sys.argv[1]))
-print('start_state', json.dumps(d['host'].get('start_state')))
-for n, a in d['arms'].items():
-    print(n, 'compile', (a.get('compile') or {}).get('state'), 'first', ((a.get('first_start') or {}).get('compile') or {}).get('state'),
-          'start_s', a.get('start_s'), 'first_start_s', (a.get('first_start') or {}).get('start_s'))
-for p in d['points']:
-    print(p['scenario'], p['arm'], 'n', p['n'], 'wall', round(p['ratio_median'], 3), [round(p['ci_low'], 3), round(p['ci_high'], 3)],
-          'kernel', p.get('kernel_ratio_median') and round(p['kernel_ratio_median'], 4), p.get('kernel_ci_low') and [round(p['kernel_ci_low'], 4), round(p['kernel_ci_high'], 4)])
-print('notes', d.get('engine_notes'))" "$W/e2e-raw.json"
+  state_summary "$W/e2e-raw.json"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W/model"
   el done
@@ -481,7 +486,8 @@ linbench) {
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
-    ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+  state_summary "$W/e2e-raw.json"
   # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
   [ -n "${HOSTPROF:-}" ] && python3 -c "
 import json; d = json.load(open('$W/e2e-summary.json'))
