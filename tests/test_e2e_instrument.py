@@ -443,8 +443,17 @@ def test_only_an_arm_that_compiled_is_restarted_and_only_under_loaded():
     for other in (loaded, cache_off, {"state": "none"}, {"state": "unknown"}, None):
         assert not e2e.restart_wanted("loaded", other, keep_compiled=False)
     # the restarts must fit the time limit with room to measure after them
-    assert e2e.restarts_fit(now=100.0, longest_start_s=80.0, deadline=400.0)
-    assert not e2e.restarts_fit(now=300.0, longest_start_s=80.0, deadline=400.0)
+    assert e2e.restarts_fit(now=100.0, restart_s=80.0, waves=1, deadline=400.0)
+    assert not e2e.restarts_fit(now=300.0, restart_s=80.0, waves=1, deadline=400.0)
+    assert not e2e.restarts_fit(now=100.0, restart_s=80.0, waves=3, deadline=400.0)
+    # a restart loads: estimated from the loaded starts seen, not from the compile (session
+    # 28, call 15: first starts compiled 101/109 s, the A/A arm loaded in 42 s, the limit
+    # 370 s; the compile-long estimate skipped the restarts, the load-long one fits them)
+    assert e2e.restart_estimate_s([101.2, 109.4], [42.2]) == pytest.approx(63.3)
+    assert e2e.restart_estimate_s([101.2, 109.4], []) == 109.4        # nothing loaded yet
+    assert e2e.restart_estimate_s([50.0], [42.2]) == 50.0             # never above a compile
+    assert not e2e.restarts_fit(160.0, e2e.restart_estimate_s([101.2, 109.4], []), 1, 370.0)
+    assert e2e.restarts_fit(160.0, e2e.restart_estimate_s([101.2, 109.4], [42.2]), 1, 370.0)
     first = e2e.parse_arm("first=first-start")
     assert first.keep_compiled and first.env == e2e.parse_arm("x=recompiled").env
     assert not e2e.parse_arm("caa=recompiled").keep_compiled
