@@ -27,7 +27,8 @@
 #                lost 0.768x wall and the LM head cost ~100 µs per step, since removed from
 #                the seam): `fltune adjudicate --ops linear --per-range` (decode <= 512 vs
 #                prefill). PROFILE defaults to Qwen3.5-0.8B here.
-#   PHASE=linbench  the served DB (shipped_db: every decision so far) against vanilla with
+#   PHASE=linbench  (WARMONLY=1 first on a cold machine: it compiles the arms, nothing measured)
+#                the served DB (shipped_db: every decision so far) against vanilla with
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
 #                adds the fixed FL order, FLONLY=1 it alone beside vanilla / aa, HOSTPROF=1 each arm's host time per Python
 #                function beyond vanilla's): issue 11's e2e-summary.json for PROFILE (run in
@@ -482,9 +483,16 @@ linbench) {
     # without its arm an FLONLY run would be a plain A/A under the usual summary's name
     [ -z "$FLARM" ] && [ -z "$CALARM" ] && { echo "freezing the FL order failed: no FL arm, no run"; exit 1; }
   fi
-  el "served DB against vanilla ${FLARM:-}"
+  # WARMONLY=1: every arm compiles into this machine's caches, one repetition of decode_b1 as
+  # started, nothing else. On a cold machine the compiles (calibrated: ~240 s on Qwen3.5) and
+  # the restarts to a loaded state leave a 10-minute call about one measured repetition
+  # (session 29); a WARMONLY call first, then the measuring call on the same warm machine,
+  # starts every arm loaded and measures for most of its time.
+  WARMARGS=
+  [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
+  el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
-    --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} \
+    --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   state_summary "$W/e2e-raw.json"
