@@ -63,7 +63,7 @@
 source "$(dirname "$0")/../calibrate/recipes/device_env.sh"
 export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export TORCHINDUCTOR_CACHE_DIR=/tmp/s7/inductor TRITON_CACHE_DIR=/tmp/s7/triton
-export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws
+export VLLM_CACHE_ROOT=/tmp/s7/vllm FLASHINFER_WORKSPACE_BASE=/tmp/s7/fiws FLTUNE_MODEL_CACHE=/tmp/s7/models
 mkdir -p /tmp/s7
 # every instrument run (bench --e2e, adjudicate) ends inside its phase's timeout with what it
 # measured, fewer repetitions if need be, instead of being killed at it (run_e2e

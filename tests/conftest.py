@@ -40,6 +40,16 @@ if not os.environ.get("VLLM_CACHE_ROOT"):
     os.environ["VLLM_CACHE_ROOT"] = _VLLM_CACHE
     atexit.register(shutil.rmtree, _VLLM_CACHE, ignore_errors=True)
 
+# profiles' config folders for vLLM (fltune.evaluate.model_dir.stable_model_dir) likewise
+# go to the session's own folder, never to the user's ~/.cache/fltune/models
+if not os.environ.get("FLTUNE_MODEL_CACHE"):
+    import atexit
+    import shutil
+    import tempfile
+    _MODEL_CACHE = tempfile.mkdtemp(prefix="fltune-tests-models-")
+    os.environ["FLTUNE_MODEL_CACHE"] = _MODEL_CACHE
+    atexit.register(shutil.rmtree, _MODEL_CACHE, ignore_errors=True)
+
 #: the environment variables the selection policy and discovery read, in both spellings
 POLICY_ENV = [prefix + name for prefix in ("FLTUNE_", "VLLM_FL_")
               for name in ("PREFER", "STRICT", "PER_OP", "ALLOW_VENDORS", "DENY_VENDORS",

@@ -459,6 +459,38 @@ def test_only_an_arm_that_compiled_is_restarted_and_only_under_loaded():
     assert not e2e.parse_arm("caa=recompiled").keep_compiled
 
 
+def test_a_profile_gets_one_model_path_per_config_across_runs(tmp_path, monkeypatch):
+    """vLLM's compile cache hashes the model's path: a profile is written to the same
+    folder in every run (so a later run loads what an earlier one compiled), a changed
+    config to another, and a given folder or config.json is used where it is."""
+    from fltune.evaluate.model_dir import build_config, stable_model_dir
+    from fltune.tune.workload import load_config
+
+    monkeypatch.setenv("FLTUNE_MODEL_CACHE", str(tmp_path / "models"))
+    first = stable_model_dir("Qwen3-0.6B")
+    assert first.startswith(str(tmp_path / "models")) and "Qwen3-0.6B-" in first
+    cfg_file = os.path.join(first, "config.json")
+    assert json.loads(open(cfg_file).read()) == build_config(load_config("Qwen3-0.6B")[1])
+    stamp = os.stat(cfg_file).st_mtime_ns
+    assert stable_model_dir("Qwen3-0.6B") == first
+    assert os.stat(cfg_file).st_mtime_ns == stamp            # not written again
+    with open(cfg_file, "w") as f:                           # a damaged copy is rewritten
+        f.write("{")
+    assert stable_model_dir("Qwen3-0.6B") == first
+    assert json.loads(open(cfg_file).read())["hidden_size"] == 1024
+    assert [n for n in os.listdir(first) if n != "config.json"] == []   # no temp files left
+    other = stable_model_dir("Qwen3.5-0.8B")
+    assert other != first and os.path.isfile(os.path.join(other, "config.json"))
+    from fltune.tune.workload import ModelConfigError
+    with pytest.raises(ModelConfigError, match="unknown model"):   # a folder, no config
+        stable_model_dir(str(tmp_path / "models"))
+    given = tmp_path / "mine"
+    given.mkdir()
+    (given / "config.json").write_text("{}")
+    assert stable_model_dir(str(given)) == str(given.resolve())
+    assert stable_model_dir(str(given / "config.json")) == str(given.resolve())
+
+
 def test_arms_in_different_compile_states_get_a_note_naming_them():
     assert e2e.start_state_note({"vanilla": "loaded", "aa": "loaded"}, "vanilla") is None
     assert e2e.start_state_note({"vanilla": "compiled", "aa": "unknown"}, "vanilla") is None

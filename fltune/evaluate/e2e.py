@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from ..util import ENGINE_MAX_BATCHED_TOKENS
-from .model_dir import config_of, is_multimodal_wrapper, model_dir as build_model_dir
+from .model_dir import config_of, is_multimodal_wrapper, stable_model_dir
 from .pinning import MODES as PINNING_MODES, measuring, plan_pinning
 
 
@@ -683,7 +683,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
     os.makedirs(work, exist_ok=True)
     work = os.path.abspath(work)
-    mdir = build_model_dir(model, os.path.join(work, "model"))
+    mdir = stable_model_dir(model)      # one path per config: vLLM's compile cache hits
     cfg = config_of(mdir)
     eng_default, notes = default_engine(device_type, cfg)
     eng = merge_engine(eng_default, engine)
