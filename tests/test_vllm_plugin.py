@@ -298,6 +298,25 @@ def test_register_non_strict_warns_and_leaves_vllm_alone(monkeypatch, tmp_path, 
         plugin._reset_for_tests()
 
 
+def test_the_route_key_carries_the_integration_code_that_vllms_hash_cannot_see(tmp_path):
+    """Its lowerings shape the compiled graph but are never traced: an edit to any module
+    of the integration changes the key (so vLLM's compile-cache key), nothing else does."""
+    import shutil
+
+    from fltune.integrations.vllm import config
+
+    here = Path(config.__file__).parent
+    assert config.route_key("auto") == f"auto:{config.ROUTE_RULE}:{config.code_digest()}"
+    copy = tmp_path / "vllm_integration"
+    shutil.copytree(here, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert config.source_digest(str(copy)) == config.code_digest()
+    (copy / "notes.txt").write_text("not code")
+    assert config.source_digest(str(copy)) == config.code_digest()
+    lowering = copy / "linear_lowering.py"
+    lowering.write_text(lowering.read_text() + "\n# a changed lowering\n")
+    assert config.source_digest(str(copy)) != config.code_digest()
+
+
 def test_serve_prepares_argv_env_and_refuses_when_strict(tmp_path):
     from fltune.integrations.vllm import serve
 

@@ -10,6 +10,9 @@ here (:func:`set_failure_handler`) so that ``hooks`` can report a failure withou
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
 from typing import Optional
 
 ADDITIONAL_CONFIG_KEY = "fltune_dispatch_fingerprint"
@@ -63,8 +66,31 @@ def check_route(mode: str) -> None:
 
 
 def route_key(mode: str) -> str:
-    """The value keyed under ROUTE_CONFIG_KEY: the mode and the rule's version."""
-    return f"{mode}:{ROUTE_RULE}"
+    """The value keyed under ROUTE_CONFIG_KEY: the mode, the rule's version and
+    :func:`code_digest`."""
+    return f"{mode}:{ROUTE_RULE}:{code_digest()}"
+
+
+@functools.lru_cache(maxsize=None)
+def code_digest() -> str:
+    """12 hex digits of this package's own source (``fltune/integrations/vllm/*.py``).
+
+    Why: its seams and Inductor lowerings (linear_lowering, range_lowering) shape the graphs
+    vLLM compiles, yet Dynamo never traces them, so vLLM's code hash cannot see a change
+    there, and a compile cache that outlives a new fltune (a warm GPU machine between two
+    calls; the e2e instrument's model folder has been one path per config since session 29)
+    would load graphs lowered by the old code. Any edit here costs one compile instead."""
+    return source_digest(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_digest(folder: str) -> str:
+    """12 hex digits of the names and bytes of the ``*.py`` files in ``folder``."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:12]
 
 ENV_MANIFEST = "FLTUNE_MANIFEST"
 ENV_DB = "FLTUNE_DB"
