@@ -486,8 +486,9 @@ linbench) {
   # WARMONLY=1: every arm compiles into this machine's caches, one repetition of decode_b1 as
   # started, nothing else. On a cold machine the compiles (calibrated: ~240 s on Qwen3.5) and
   # the restarts to a loaded state leave a 10-minute call about one measured repetition
-  # (session 29); a WARMONLY call first, then the measuring call on the same warm machine,
-  # starts every arm loaded and measures for most of its time.
+  # (session 29); after a WARMONLY call the measuring call on the same warm machine should
+  # start every arm loaded (one model path per config, session 29: not yet seen on the GPU;
+  # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
   [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"

