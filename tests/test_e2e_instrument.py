@@ -288,6 +288,56 @@ def test_points_pair_repetitions():
     assert p["step_us_vanilla"] == 2e6 and p["step_us_arm"] == 1e6
 
 
+def test_the_fastest_run_reads_through_a_slow_period_that_the_median_does_not():
+    """Session 28's batch-16 A/A (H200): a repetition where two of vanilla's three runs fell
+    in a slow second of the host (1.45x) and aa's did not. The median pairs vanilla's slow
+    level with aa's fast one; the fastest run pairs the fast levels."""
+    sc = Scenario("p", "prefill", 1, 32, 1)
+    samples = []
+    for rep, (van, aa) in enumerate([([1.45, 1.0, 1.46], [1.0, 1.01, 0.99]),
+                                     ([1.0, 1.01, 1.0], [1.0, 1.46, 1.5])]):
+        for arm, runs in (("vanilla", van), ("aa", aa)):
+            r = {"runs": [[t] for t in runs]}
+            samples.append({"scenario": "p", "arm": arm, "rep": rep,
+                            "time_s": e2e.step_estimate(sc, r),
+                            "fast_s": e2e.fastest_estimate(sc, r)})
+    [p] = e2e.compute_points(samples, [sc], ["vanilla", "aa"], "vanilla")
+    assert sorted(round(x, 3) for x in p["ratios"]) == [0.685, 1.45]   # the period's ratio
+    assert [round(x, 3) for x in p["fast_ratios"]] == [1.01, 1.0]      # the fast levels
+    assert p["fast_ci_high"] < 1.02 and p["fast_ci_low"] > 0.99
+    # decode: each run's own windows' median, then the fastest run
+    d = Scenario("d", "decode", 1, 8, 21)
+    fast = [0.001] * 20
+    slow = [0.0015] * 20
+    assert e2e.run_estimates(d, {"runs": [slow, fast]}) == pytest.approx([0.0015, 0.001])
+    assert e2e.fastest_estimate(d, {"runs": [slow, fast, []]}) == 0.001
+    assert e2e.fastest_estimate(d, {"runs": []}) is None
+    # raw data without fast_s (before session 31): no fast figures, the point still stands
+    old = [{k: v for k, v in smp.items() if k != "fast_s"} for smp in samples]
+    [q] = e2e.compute_points(old, [sc], ["vanilla", "aa"], "vanilla")
+    assert "fast_ratio_median" not in q and q["n"] == 2
+
+
+def test_interleaved_replies_merge_into_one_sample_with_the_gate_summed():
+    a = {"runs": [[0.1]], "run_s": [0.11], "host": [{"t_mono": 1.0}],
+         "gate": {"factor": 1.25, "retaken": 1, "waited_s": 0.1, "slow_kept": 0,
+                  "floor_us": 700.0}}
+    b = {"runs": [[0.2]], "run_s": [0.21], "host": [{"t_mono": 2.0}],
+         "gate": {"factor": 1.25, "retaken": 2, "waited_s": 0.05, "slow_kept": 1,
+                  "floor_us": 690.0}}
+    m = e2e.merge_time_replies([a, b])
+    assert m["runs"] == [[0.1], [0.2]] and m["run_s"] == [0.11, 0.21]
+    assert [h["t_mono"] for h in m["host"]] == [1.0, 2.0]
+    assert m["gate"] == {"factor": 1.25, "retaken": 3, "waited_s": 0.15, "slow_kept": 1,
+                         "floor_us": 690.0}
+    assert a["gate"]["retaken"] == 1                   # the replies themselves untouched
+    assert "gate" not in e2e.merge_time_replies([{"runs": [[0.1]], "run_s": [0.1],
+                                                  "host": [{}]}])
+    with pytest.raises(ValueError, match="interleave must be one of"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], interleave="blocks",
+                    device_type="cpu")
+
+
 def test_kernel_rounds_give_a_paired_kernel_ratio_and_ci():
     sc = [Scenario("d", "decode", 1, 8, 9)]
     samples = [{"scenario": "d", "arm": a, "rep": 0, "time_s": 1.0} for a in ("vanilla", "b")]
@@ -394,7 +444,8 @@ def run(tmp_path_factory):
     # (the workers compile into the session's vLLM cache root: conftest.py)
     # a lax probe gate (off by default on CPU): its account must come back per sample
     # the engines start at once (parallel_start; the sequential start is every other run's)
-    res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=1,
+    # two runs per arm and repetition, interleaved across the arms (the default schedule)
+    res = e2e.run_e2e(str(FIXTURE), arms, scenarios, reps=REPS, warmup=1, inner=2,
                       out_dir=str(out), progress=lambda ev, **kw: events.append(ev),
                       probe_gate=50.0, host_profile=True, parallel_start=True,
                       start_state="loaded")
@@ -596,6 +647,9 @@ def test_points_have_the_documented_keys(run):
         assert p["ci_low"] <= p["ratio_median"] <= p["ci_high"]
         assert p["step_us_arm"] > 0 and p["step_us_vanilla"] > 0
         assert p["kernel_us_arm"] is None and p["kernel_us_vanilla"] is None   # CPU
+        # the second figure, from each repetition's fastest run, paired the same way
+        assert p["fast_ci_low"] <= p["fast_ratio_median"] <= p["fast_ci_high"]
+        assert len(p["fast_ratios"]) == REPS
     # every (rep, scenario) has each live arm once; arm order rotates between reps
     assert len(res.samples) == REPS * 2 * 3
     firsts = {s["arm"] for s in res.samples if s["position"] == 0}
@@ -688,22 +742,34 @@ def test_fresh_dirs_are_new_per_arm_and_variable_even_in_a_used_folder(tmp_path)
 def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(run):
     res = run["res"]
     for smp in res.samples:
-        assert len(smp["runs"]) == 1 and len(smp["run_s"]) == 1          # inner=1
-        # the host speedometer around the run: two positive loop times
-        (probe,) = [h["probe_us"] for h in smp["host"]]
-        assert len(probe) == 2 and all(x > 0 for x in probe)
-        # the gate's account reaches the sample (its logic: the scripted-host tests above)
+        assert len(smp["runs"]) == 2 and len(smp["run_s"]) == 2          # inner=2
+        for h in smp["host"]:
+            # the host speedometer around each run: two positive loop times
+            assert len(h["probe_us"]) == 2 and all(x > 0 for x in h["probe_us"])
+        # the gate's account reaches the sample, summed over its calls (one run each)
         g = smp["gate"]
         assert g["factor"] == 50.0 and g["floor_us"] > 0 and g["retaken"] >= 0
-        steps = smp["runs"][0]
-        if smp["scenario"] == "decode_b2":
-            # 5 tokens: a prefill step and 4 decode steps, at least (async scheduling adds)
-            assert len(steps) >= 5
-        # the steps lie inside the generate() call that made them
-        assert 0 < sum(steps) <= smp["run_s"][0]
-        assert smp["time_s"] == e2e.step_estimate(
-            Scenario(smp["scenario"], *( ("decode", 2, 8, 5) if smp["scenario"] == "decode_b2"
-                                         else ("prefill", 1, 32, 1))), smp)
+        for steps, run_s in zip(smp["runs"], smp["run_s"]):
+            if smp["scenario"] == "decode_b2":
+                # 5 tokens: a prefill step and 4 decode steps, at least (async adds)
+                assert len(steps) >= 5
+            # the steps lie inside the generate() call that made them
+            assert 0 < sum(steps) <= run_s
+        sc = Scenario(smp["scenario"], *(("decode", 2, 8, 5) if smp["scenario"] == "decode_b2"
+                                         else ("prefill", 1, 32, 1)))
+        assert smp["time_s"] == e2e.step_estimate(sc, smp)
+        assert smp["fast_s"] == min(e2e.run_estimates(sc, smp)) <= max(
+            e2e.run_estimates(sc, smp))
+    # interleaved: in every (repetition, scenario) no arm's second run starts before every
+    # live arm's first run has (A B C A B C, not A A B B C C), on the host's one clock
+    assert res.host["interleave"] == "runs"
+    blocks: dict = {}
+    for smp in res.samples:
+        blocks.setdefault((smp["rep"], smp["scenario"]), {})[smp["arm"]] = [
+            h["t_mono"] for h in smp["host"]]
+    for per_arm in blocks.values():
+        assert len(per_arm) == 3                         # vanilla, aa, routed
+        assert max(t[0] for t in per_arm.values()) < min(t[1] for t in per_arm.values())
     info = res.arms_info
     assert info["routed"]["info"]["max_num_seqs"] == 4
     assert info["vanilla"]["info"]["max_num_seqs"] == info["aa"]["info"]["max_num_seqs"] == 8

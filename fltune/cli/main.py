@@ -361,7 +361,8 @@ def cmd_bench(a) -> int:
     for flag_, v in (("--arm", a.arm), ("--scenarios", a.scenarios), ("--warmup", a.warmup),
                      ("--engine", a.engine), ("--engine-process", a.engine_process),
                      ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
-                     ("--time-limit", a.time_limit), ("--start-state", a.start_state)):
+                     ("--time-limit", a.time_limit), ("--start-state", a.start_state),
+                     ("--inner", a.inner), ("--interleave", a.interleave)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -488,7 +489,8 @@ def cmd_bench_e2e(a) -> int:
                            engine_process=a.engine_process or "in-process",
                            pinning=a.pinning, probe_gate=a.probe_gate,
                            time_limit_s=a.time_limit, host_profile=a.host_profile,
-                           start_state=a.start_state)
+                           start_state=a.start_state, inner=a.inner,
+                           interleave=a.interleave)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1056,6 +1058,14 @@ def _add_bench(sub) -> None:
                         "ran a host-bound prefill 6-8 %% slower on the H200); as-started: "
                         "each as its start left it (default on CPU; FLTUNE_E2E_START_STATE). "
                         "The arm spec first-start keeps its compiled state either way")
+    e.add_argument("--inner", type=_int_in(1, 100), metavar="K",
+                   help="timed runs per arm and scenario in a repetition (default 3); the "
+                        "repetition's time is their median (and, as a second figure, the "
+                        "fastest)")
+    e.add_argument("--interleave", choices=["runs", "arms"],
+                   help="runs (default; FLTUNE_E2E_INTERLEAVE): a repetition's runs one per "
+                        "arm in turn, A B C A B C ..., so a slow second of the host lands on "
+                        "every arm; arms: each arm's runs back to back")
     e.add_argument("--probe-gate", type=_probe_gate, metavar="FACTOR",
                    help="a timed run counts only while a fixed Python loop (the host probe, "
                         "before and after it) reads within FACTOR of the arm's speed floor "

@@ -328,7 +328,8 @@ class _Proc:
 
 POINT_KEYS = ("scenario", "arm", "n", "ratio_median", "ci_low", "ci_high", "kernel_us_arm",
               "kernel_us_vanilla", "step_us_arm", "step_us_vanilla", "kernel_n",
-              "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high", "kernel_top_deltas")
+              "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high", "kernel_top_deltas",
+              "fast_ratio_median", "fast_ci_low", "fast_ci_high")
 
 
 @dataclass
@@ -392,6 +393,7 @@ class E2EResult:
                            "scenarios": self.scenarios,
                            "pinning": (self.host.get("pinning") or {}).get("mode"),
                            "probe_gate": self.host.get("probe_gate"),
+                           "interleave": self.host.get("interleave", "arms"),
                            "start_state": (self.host.get("start_state") or {}).get("policy"),
                            "retaken": self.retaken()},
                 "arms": arms,
@@ -456,7 +458,7 @@ def join_summaries(docs: list) -> dict:
                              f"runs of one model on one device and vLLM")
     # what makes the ratios comparable besides the model: the engine's arguments and the
     # method (warm-up, inner runs, pinning); the repetitions may differ (each point has n)
-    for key in ("args", "warmup", "inner", "pinning", "baseline"):
+    for key in ("args", "warmup", "inner", "pinning", "baseline", "interleave"):
         vals = {json.dumps((d.get("engine") or {}).get(key), sort_keys=True) for d in docs}
         if len(vals) > 1:
             raise ValueError(f"the summaries' engine {key} differ ({', '.join(sorted(vals))}): "
@@ -547,6 +549,55 @@ def step_estimate(scenario: Scenario, r: dict) -> float:
     return _median(windows)
 
 
+def run_estimates(scenario: Scenario, r: dict) -> list:
+    """Each inner run's own time, in :func:`step_estimate`'s terms: decode, the median of
+    the run's windows; prefill, the run's engine steps summed."""
+    return [step_estimate(scenario, {"runs": [steps]}) for steps in r.get("runs") or []
+            if steps]
+
+
+def fastest_estimate(scenario: Scenario, r: dict) -> float | None:
+    """One repetition's time at the host's full speed: the fastest of its inner runs
+    (:func:`run_estimates`). Why a second estimate beside :func:`step_estimate`'s median:
+    on the H200 machine a run takes 10-50 % longer when a slow period of the host (about a
+    second, every core) covers it, and it covers two or three consecutive runs at a time,
+    so the median of three runs of one arm is sometimes a slow run. Slowness only adds
+    time, so the fastest run is the one the period missed; with the arms' runs interleaved
+    (``interleave="runs"``: A B C A B C ...) every arm gets runs in the same seconds, and
+    the repetition pairs the fast levels. Like ``timeit``'s advice to read the minimum. The
+    median stays the point's main figure (``ratio_median``); this one is ``fast_*``."""
+    ests = run_estimates(scenario, r)
+    return min(ests) if ests else None
+
+
+#: how a repetition's runs are scheduled (``run_e2e(interleave=)``): "runs", every arm's
+#: k-th run before any arm's (k+1)-th; "arms", each arm's inner runs back to back (the
+#: schedule before session 31)
+INTERLEAVES = ("runs", "arms")
+
+
+def merge_time_replies(replies: list) -> dict:
+    """The replies of several ``time`` calls of one arm (one run each, interleaved with the
+    other arms') as the reply of one call with all their runs; the gate's accounts summed."""
+    out = {"runs": [], "run_s": [], "host": []}
+    gate = None
+    for r in replies:
+        for k in ("runs", "run_s", "host"):
+            out[k] += r.get(k) or []
+        g = r.get("gate")
+        if g:
+            if gate is None:
+                gate = dict(g)
+            else:
+                for k in ("retaken", "slow_kept"):
+                    gate[k] = gate.get(k, 0) + g.get(k, 0)
+                gate["waited_s"] = round(gate.get("waited_s", 0.0) + g.get("waited_s", 0.0), 4)
+                gate["floor_us"] = g.get("floor_us", gate.get("floor_us"))
+    if gate is not None:
+        out["gate"] = gate
+    return out
+
+
 #: the greedy-equality check: a fixed prompt set every arm decodes
 TOKENS_CHECK = {"batch": 4, "prompt_len": 16, "output_len": 32}
 
@@ -582,7 +633,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             time_limit_s: float | None = None,
             host_profile: bool | None = None,
             parallel_start: bool | None = None,
-            start_state: str | None = None) -> E2EResult:
+            start_state: str | None = None,
+            interleave: str | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -631,6 +683,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     every arm runs as an engine that loaded its compiled model, except an arm with
     ``keep_compiled`` (spec ``first-start``). Each arm's state is in ``arms[NAME]["compile"]``
     and ``host["start_state"]``; arms left in different states get a note.
+    ``interleave`` (default ``FLTUNE_E2E_INTERLEAVE``, else "runs"; :data:`INTERLEAVES`):
+    "runs" takes a repetition's ``inner`` runs one per arm in turn (A B C A B C ..., the
+    order rotated each round), "arms" each arm's runs back to back (A A A B B B ...). Why
+    "runs": the H200 host's slow periods last about a second, two or three runs; back to
+    back one arm's three runs could all fall in one while the next arm's missed it (session
+    28's batch-16 A/A: a repetition's vanilla runs at 1.45x, aa's at 1.0x); interleaved the
+    arms share the period, and :func:`fastest_estimate` reads each arm's fastest run.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -664,6 +723,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
+    if inner < 1:
+        raise ValueError(f"inner must be >= 1, got {inner}")
+    interleave = interleave or os.environ.get("FLTUNE_E2E_INTERLEAVE") or "runs"
+    if interleave not in INTERLEAVES:
+        raise ValueError(f"interleave must be one of {INTERLEAVES}, got {interleave!r}")
     if parallel_start is None:
         parallel_start = parallel_start_default(device_type)
     if start_state is None:
@@ -719,7 +783,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     pin = plan_pinning(pinning) if device_type == "cuda" else None
     host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
                                                    else "off (CPU device)"},
-            "probe_gate": probe_gate}
+            "probe_gate": probe_gate, "interleave": interleave}
     parent_cpus = os.sched_getaffinity(0)
     if pin and pin.parent:
         os.sched_setaffinity(0, pin.parent)
@@ -911,21 +975,33 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 k = r % len(order_names)
                 order = order_names[k:] + order_names[:k]
                 t_block = time.monotonic()
+                # "runs": one run per call, the arms in turn, the order rotated each round;
+                # "arms": one call of ``inner`` runs per arm
+                rounds, per_call = (inner, 1) if interleave == "runs" else (1, inner)
+                replies: dict = {name: [] for name in order}
+                for i in range(rounds):
+                    for name in order[i % len(order):] + order[:i % len(order)]:
+                        if name not in procs:
+                            continue
+                        try:
+                            # warm-up runs are not gated: they are thrown away, and waiting
+                            # for the host's fast periods there only spends the call's time
+                            res = measured_call(name, cmd="time", scenario=asdict(sc),
+                                                inner=per_call,
+                                                gate=probe_gate if measured else None)
+                        except WorkerError as e:
+                            fail(name, e)
+                            replies.pop(name, None)
+                            continue
+                        if name in replies:
+                            res.pop("ok", None)
+                            replies[name].append(res)
                 for pos, name in enumerate(order):
-                    if name not in procs:
-                        continue
-                    try:
-                        # warm-up runs are not gated: they are thrown away, and waiting for
-                        # the host's fast periods there only spends the call's time
-                        res = measured_call(name, cmd="time", scenario=asdict(sc), inner=inner,
-                                            gate=probe_gate if measured else None)
-                    except WorkerError as e:
-                        fail(name, e)
-                        continue
-                    if measured:
-                        res.pop("ok", None)
+                    if measured and replies.get(name) and name in procs:
+                        res = merge_time_replies(replies[name])
                         samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
-                                        "position": pos, "time_s": step_estimate(sc, res), **res})
+                                        "position": pos, "time_s": step_estimate(sc, res),
+                                        "fast_s": fastest_estimate(sc, res), **res})
                 block_s[sc.name] = time.monotonic() - t_block
                 progress("rep", rep=r, warmup=not measured, scenario=sc.name)
             if out_dir and measured:
@@ -1305,8 +1381,23 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
                 "kernel_top_deltas": kernel_deltas(k.get(baseline), k.get(name)),
                 "step_us_arm": _median([t for _, t in pairs]) * 1e6,
                 "step_us_vanilla": _median([b for b, _ in pairs]) * 1e6,
-                "ci_half_width": (hi - lo) / 2, "ratios": ratios})
+                "ci_half_width": (hi - lo) / 2, "ratios": ratios,
+                **_fast_figures(samples, sc.name, name, baseline)})
     return points
+
+
+def _fast_figures(samples: list, scenario: str, arm: str, baseline: str) -> dict:
+    """The point's ratio from :func:`fastest_estimate` (``fast_ratio_median``,
+    ``fast_ci_low``, ``fast_ci_high``, ``fast_ratios``), paired per repetition like the
+    main one; empty where the samples carry no ``fast_s`` (raw data before session 31)."""
+    by = {(s["arm"], s["rep"]): s.get("fast_s") for s in samples if s["scenario"] == scenario}
+    ratios = [by[(baseline, rep)] / t for (a, rep), t in sorted(by.items())
+              if a == arm and t and by.get((baseline, rep))]
+    if not ratios:
+        return {}
+    med, lo, hi = bootstrap_ci(ratios)
+    return {"fast_ratio_median": med, "fast_ci_low": lo, "fast_ci_high": hi,
+            "fast_ratios": ratios}
 
 
 def is_fltune_arm(env) -> bool:
