@@ -495,7 +495,8 @@ linbench) {
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
-    ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} ${INNER:+--inner $INNER} \
+    ${INTERLEAVE:+--interleave $INTERLEAVE} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   state_summary "$W/e2e-raw.json"
   # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
   [ -n "${HOSTPROF:-}" ] && python3 -c "
