@@ -1,0 +1,147 @@
+"""Does the host's slow second land on every arm when the runs are interleaved? (issue 11)
+
+    python3 benchmarks/interleave_check.py RUN/e2e-raw.json[.gz] [--json OUT]
+
+Reads an instrument run whose repetitions interleaved the arms' runs (``--interleave runs``,
+the default since session 31: each run carries ``host[i].t_mono``, its start on the host's
+one monotonic clock) and prints, per scenario and arm against the baseline:
+
+- the paired ratio three ways, median [95 % bootstrap CI] over repetitions: the
+  repetition's median run (``step_estimate``: the instrument's ``ratio_median``), its
+  fastest run (``fastest_estimate``: ``fast_ratio_median``), and the median over the
+  repetition's rounds of the ratio of the two runs of one round (the runs closest in time);
+- how alike neighbours are: put every run of the scenario on one time line, each divided by
+  its arm's median run (its "slowness"), and take the rank correlation of the slowness of
+  consecutive runs of *different* arms, and their distance in time. A correlation near 1
+  means a slow second covers neighbouring runs whatever their arm (interleaving pairs it
+  away); near 0, each run's slowness is its own (no schedule pairs it away).
+
+Why: on the H200 machine whole runs move between two host-speed levels in periods of about
+a second (README "Why the wall time cannot see 1 % there"); with each arm's runs back to
+back one arm's three runs could sit in one slow period while the next arm's missed it
+(session 28). This says whether the interleaved schedule and the fastest-run estimate pair
+the levels away, and what the wall A/A becomes then.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fltune.evaluate.e2e import (Scenario, bootstrap_ci, fastest_estimate,  # noqa: E402
+                                 run_estimates, step_estimate)
+
+
+def load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def ranks(xs: list) -> list:
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    r = [0.0] * len(xs)
+    for k, i in enumerate(order):
+        r[i] = float(k)
+    return r
+
+
+def spearman(a: list, b: list) -> float | None:
+    if len(a) < 3:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    den = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return num / den if den else None
+
+
+def ci(ratios: list) -> dict | None:
+    if not ratios:
+        return None
+    med, lo, hi = bootstrap_ci(ratios)
+    return {"median": round(med, 4), "ci": [round(lo, 4), round(hi, 4)],
+            "half_width_pct": round(50 * (hi - lo) / med, 2), "n": len(ratios)}
+
+
+def analyse(raw: dict) -> list:
+    base = raw.get("baseline", "vanilla")
+    out = []
+    for sd in raw["scenarios"]:
+        sc = Scenario(**sd)
+        smp = [s for s in raw["samples"] if s["scenario"] == sc.name]
+        if not smp:
+            continue
+        arms = list(dict.fromkeys(s["arm"] for s in smp))
+        # the time line: (start, arm, run time) of every run of this scenario
+        line = []
+        for s in smp:
+            for est, h in zip(run_estimates(sc, s), s.get("host") or []):
+                if h.get("t_mono") is not None:
+                    line.append((h["t_mono"], s["arm"], est))
+        line.sort()
+        med = {a: statistics.median([t for _, arm, t in line if arm == a] or [1.0]) for a in arms}
+        slow = [(t0, a, t / med[a]) for t0, a, t in line]
+        pairs = [(x[2], y[2], y[0] - x[0]) for x, y in zip(slow, slow[1:]) if x[1] != y[1]]
+        by = {(s["arm"], s["rep"]): s for s in smp}
+        for arm in arms:
+            if arm == base:
+                continue
+            reps = sorted(r for a, r in by if a == arm and (base, r) in by)
+            med_r, fast_r, round_r = [], [], []
+            for r in reps:
+                b, x = by[(base, r)], by[(arm, r)]
+                med_r.append(step_estimate(sc, b) / step_estimate(sc, x))
+                fb, fx = fastest_estimate(sc, b), fastest_estimate(sc, x)
+                if fb and fx:
+                    fast_r.append(fb / fx)
+                eb, ex = run_estimates(sc, b), run_estimates(sc, x)
+                per_round = [p / q for p, q in zip(eb, ex) if q]
+                if per_round:
+                    round_r.append(statistics.median(per_round))
+            out.append({"scenario": sc.name, "arm": arm, "baseline": base,
+                        "median_run": ci(med_r), "fastest_run": ci(fast_r),
+                        "round_pairs": ci(round_r),
+                        "neighbours": {
+                            "pairs": len(pairs),
+                            "spearman": (None if len(pairs) < 3 else
+                                         round(spearman([p[0] for p in pairs],
+                                                        [p[1] for p in pairs]), 3)),
+                            "gap_s_median": (round(statistics.median(p[2] for p in pairs), 3)
+                                             if pairs else None),
+                            "slow_share": round(sum(1 for _, _, v in slow if v > 1.15)
+                                                / max(1, len(slow)), 3)}})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("raw", help="e2e-raw.json or e2e-raw.json.gz of an instrument run")
+    ap.add_argument("--json", help="write the figures here")
+    a = ap.parse_args(argv)
+    rows = analyse(load(a.raw))
+    if not rows:
+        print("no paired samples in", a.raw)
+        return 1
+
+    def fmt(c):
+        return "—" if c is None else f"{c['median']:.3f} [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] ±{c['half_width_pct']:.1f}%"
+    for r in rows:
+        nb = r["neighbours"]
+        print(f"{r['scenario']:>14} {r['arm']:>11}  median run {fmt(r['median_run'])}  "
+              f"fastest run {fmt(r['fastest_run'])}  round pairs {fmt(r['round_pairs'])}  "
+              f"neighbours rho {nb['spearman']} ({nb['pairs']} pairs, {nb['gap_s_median']} s "
+              f"apart), runs >1.15x slow {nb['slow_share']:.0%}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
