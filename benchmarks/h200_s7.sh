@@ -213,7 +213,6 @@ ir) {
   ARMS=${ARMS:-vanilla,aa,ir} ENDPOINTS=${ENDPOINTS:-auto} REPS=${REPS:-8} \
     FLTUNE_E2E_TIME_LIMIT=$(lim 560) timeout ${TIMEOUT:-560} python3 benchmarks/ir_e2e.py "$P" $M "$W"; echo rc=$?
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/e2e-summary-$P.json" 2>/dev/null; pack ;;
 sgab) {
@@ -260,7 +259,6 @@ state) {
     --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   state_summary "$W/e2e-raw.json"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 pinaa) {
@@ -279,7 +277,6 @@ pinaa) {
   python3 -c "import json,sys; print(json.dumps(json.load(open(sys.argv[1]))['host'], indent=0)[:1500])" "$W/e2e-raw.json"
   python3 benchmarks/probe_check.py "$W/e2e-raw.json" | tee "$W/probe-check.txt"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 fijit) {
@@ -389,7 +386,6 @@ caa) {
 import json; d = json.load(open('$W/e2e-raw.json'))
 print({a: i.get('start_s') for a, i in d['arms'].items()})
 for p in d['points']: print({k: p.get(k) for k in ('scenario', 'arm', 'n', 'ratio_median', 'ci_low', 'ci_high', 'kernel_us_arm', 'kernel_us_vanilla', 'kernel_ci_low', 'kernel_ci_high')})"
-  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; pack ;;
 draw) {
@@ -506,7 +502,6 @@ for sc, per in (d.get('host_extra') or {}).items():
         print(sc, arm, {k: x.get(k) for k in ('run_s_arm', 'run_s_baseline', 'own_time_extra_us')})
         for f in x.get('functions') or []: print('   ', round(f['extra_us']), f['func'][:150])"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
-  rm -rf "$W/model"
   el done
 } 2>&1 | tee "$W/log"; cp "$W/e2e-summary.json" "$OUT/e2e-summary-$P.json" 2>/dev/null; pack ;;
 esac

@@ -40,7 +40,7 @@ OPS=${OPS:-gemma_rms_norm,gemma_fused_add_rms_norm,mrope,rms_norm_gated,silu_and
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 W=/tmp/s8/${PHASE:-ray}; mkdir -p "$W"
-pack() { find "$W" -name '*.log' -size +200k -exec gzip -f {} \; ; rm -rf "$W/model" "$W"/*/model
+pack() { find "$W" -name '*.log' -size +200k -exec gzip -f {} \;
          tar -czf "$OUT/${PHASE:-ray}.tgz" -C "$(dirname "$W")" "$(basename "$W")"; }
 leftovers() { pkill -f 'vllm.entrypoints|fltune serve|e2e_worker|ray::' 2>/dev/null; sleep 2; }
 tp_db() {      # the TP=2 DB: the --ray phase's, or (that phase failed) one GPU's
