@@ -472,6 +472,16 @@ linbench) {
   # kernels compiled at every capture size: session 17 got one repetition with both beside it)
   shipped_db
   CALARM="--arm calibrated=db:$DB"; FLARM=
+  # RELABEL=1 (a DIAGNOSTIC, benchmarks/relabel_manifest.py): on a card other than the DB's
+  # (an H100 lent for the H200's DB) the DB's picks for RELABEL_FROM (default H200) are
+  # frozen and re-labelled for this card, so the arm routes what it routes on the H200
+  # instead of falling back to vanilla; its figures say nothing about this card's best picks
+  if [ "${RELABEL:-0}" = 1 ]; then
+    python3 -m fltune freeze --db $DB --device "${RELABEL_FROM:-H200}" --out "$W/manifest-src.json" >/dev/null \
+      && python3 benchmarks/relabel_manifest.py "$W/manifest-src.json" "$W/manifest-relabelled.json" \
+      && CALARM="--arm calibrated=manifest:$W/manifest-relabelled.json" \
+      || { echo "RELABEL: freezing or relabelling failed: no calibrated arm"; CALARM=; }
+  fi
   [ "${FLONLY:-0}" = 1 ] && { FL=1; CALARM=; }
   if [ -n "${FL:-}" ]; then
     python3 -m fltune freeze --db $DB --order fl --out "$W/manifest-fl.json" >/dev/null \
