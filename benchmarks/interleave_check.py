@@ -6,10 +6,12 @@ Reads an instrument run whose repetitions interleaved the arms' runs (``--interl
 the default since session 31: each run carries ``host[i].t_mono``, its start on the host's
 one monotonic clock) and prints, per scenario and arm against the baseline:
 
-- the paired ratio three ways, median [95 % bootstrap CI] over repetitions: the
+- the paired ratio four ways, median [95 % bootstrap CI] over repetitions: the
   repetition's median run (``step_estimate``: the instrument's ``ratio_median``), its
-  fastest run (``fastest_estimate``: ``fast_ratio_median``), and the median over the
-  repetition's rounds of the ratio of the two runs of one round (the runs closest in time);
+  fastest run (session 31's ``fast_ratio_median``), its fast level (``fast_level_estimate``:
+  ``fast_ratio_median`` since session 33; for prefill the fastest run), and the median over
+  the repetition's rounds of the ratio of the two runs of one round (the runs closest in
+  time);
 - how alike neighbours are: put every run of the scenario on one time line, each divided by
   its arm's median run (its "slowness"), and take the rank correlation of the slowness of
   consecutive runs of *different* arms, and their distance in time. A correlation near 1
@@ -33,8 +35,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fltune.evaluate.e2e import (Scenario, bootstrap_ci, fastest_estimate,  # noqa: E402
-                                 run_estimates, step_estimate)
+from fltune.evaluate.e2e import (Scenario, bootstrap_ci,  # noqa: E402
+                                 fast_level_estimate, run_estimates, step_estimate)
 
 
 def load(path: str) -> dict:
@@ -93,19 +95,22 @@ def analyse(raw: dict) -> list:
             if arm == base:
                 continue
             reps = sorted(r for a, r in by if a == arm and (base, r) in by)
-            med_r, fast_r, round_r = [], [], []
+            med_r, fast_r, level_r, round_r = [], [], [], []
             for r in reps:
                 b, x = by[(base, r)], by[(arm, r)]
                 med_r.append(step_estimate(sc, b) / step_estimate(sc, x))
-                fb, fx = fastest_estimate(sc, b), fastest_estimate(sc, x)
-                if fb and fx:
-                    fast_r.append(fb / fx)
                 eb, ex = run_estimates(sc, b), run_estimates(sc, x)
+                if eb and ex:
+                    fast_r.append(min(eb) / min(ex))
+                lb, lx = fast_level_estimate(sc, b), fast_level_estimate(sc, x)
+                if lb and lx:
+                    level_r.append(lb / lx)
                 per_round = [p / q for p, q in zip(eb, ex) if q]
                 if per_round:
                     round_r.append(statistics.median(per_round))
             out.append({"scenario": sc.name, "arm": arm, "baseline": base,
                         "median_run": ci(med_r), "fastest_run": ci(fast_r),
+                        "fast_level": ci(level_r),
                         "round_pairs": ci(round_r),
                         "neighbours": {
                             "pairs": len(pairs),
@@ -134,7 +139,8 @@ def main(argv=None) -> int:
     for r in rows:
         nb = r["neighbours"]
         print(f"{r['scenario']:>14} {r['arm']:>11}  median run {fmt(r['median_run'])}  "
-              f"fastest run {fmt(r['fastest_run'])}  round pairs {fmt(r['round_pairs'])}  "
+              f"fastest run {fmt(r['fastest_run'])}  fast level {fmt(r['fast_level'])}  "
+              f"round pairs {fmt(r['round_pairs'])}  "
               f"neighbours rho {nb['spearman']} ({nb['pairs']} pairs, {nb['gap_s_median']} s "
               f"apart), runs >1.15x slow {nb['slow_share']:.0%}")
     if a.json:

@@ -300,22 +300,73 @@ def test_the_fastest_run_reads_through_a_slow_period_that_the_median_does_not():
             r = {"runs": [[t] for t in runs]}
             samples.append({"scenario": "p", "arm": arm, "rep": rep,
                             "time_s": e2e.step_estimate(sc, r),
-                            "fast_s": e2e.fastest_estimate(sc, r)})
+                            "fast_s": e2e.fast_level_estimate(sc, r)})
     [p] = e2e.compute_points(samples, [sc], ["vanilla", "aa"], "vanilla")
     assert sorted(round(x, 3) for x in p["ratios"]) == [0.685, 1.45]   # the period's ratio
     assert [round(x, 3) for x in p["fast_ratios"]] == [1.01, 1.0]      # the fast levels
     assert p["fast_ci_high"] < 1.02 and p["fast_ci_low"] > 0.99
-    # decode: each run's own windows' median, then the fastest run
+    # decode: each run's own windows' median; the fast level over all the runs' windows
     d = Scenario("d", "decode", 1, 8, 21)
     fast = [0.001] * 20
     slow = [0.0015] * 20
     assert e2e.run_estimates(d, {"runs": [slow, fast]}) == pytest.approx([0.0015, 0.001])
-    assert e2e.fastest_estimate(d, {"runs": [slow, fast, []]}) == 0.001
-    assert e2e.fastest_estimate(d, {"runs": []}) is None
+    assert e2e.fast_level_estimate(d, {"runs": [slow, fast, []]}) == pytest.approx(0.001)
+    assert e2e.fast_level_estimate(d, {"runs": []}) is None
     # raw data without fast_s (before session 31): no fast figures, the point still stands
     old = [{k: v for k, v in smp.items() if k != "fast_s"} for smp in samples]
     [q] = e2e.compute_points(old, [sc], ["vanilla", "aa"], "vanilla")
     assert "fast_ratio_median" not in q and q["n"] == 2
+
+
+def test_the_fast_level_reads_a_slow_period_that_ends_inside_every_run():
+    """Session 33 (H100, decode at batch 1): a slow period is a level shift inside a run
+    (2.45 ms steps, then 1.75 ms from the middle on). When it covers the first half of every
+    run of one arm, that arm has no fast *run*, and session 31's fastest run read it 1.2x
+    slow; its windows at the fast level still say its speed."""
+    d = Scenario("d", "decode", 1, 8, 66)
+    half_slow = [0.005, 0.003] + [0.00245] * 32 + [0.00175] * 32 + [0.0007]
+    steady = [0.005, 0.003] + [0.00175] * 64 + [0.0007]
+    slow_arm, fast_arm = {"runs": [half_slow] * 3}, {"runs": [steady] * 3}
+    # the median window and the fastest run of the half-slow arm both read a slow level
+    assert e2e.step_estimate(d, slow_arm) > 1.1 * e2e.step_estimate(d, fast_arm)
+    assert min(e2e.run_estimates(d, slow_arm)) > 1.1 * min(e2e.run_estimates(d, fast_arm))
+    # the fast level pairs the two arms' fast levels
+    assert e2e.fast_level_estimate(d, slow_arm) == pytest.approx(
+        e2e.fast_level_estimate(d, fast_arm))
+    # one outlying fast window does not set the level: the level is the median of the
+    # windows within the band of the fastest, and only that window is in the band
+    odd = [0.005, 0.003] + [0.0012] * 8 + [0.002] * 56 + [0.0007]
+    assert e2e.fast_level_estimate(d, {"runs": [odd]}) == pytest.approx(0.0012)
+    near = [0.005, 0.003] + [0.00170] * 8 + [0.00175] * 56 + [0.0007]
+    assert e2e.fast_level_estimate(d, {"runs": [near]}) == pytest.approx(0.00175)
+    # prefill: a run has no level inside it; the fastest run
+    p = Scenario("p", "prefill", 1, 32, 1)
+    assert e2e.fast_level_estimate(p, {"runs": [[0.02], [0.015], [0.03]]}) == 0.015
+
+
+def test_the_points_read_the_fast_level_from_the_steps_of_older_raw_data():
+    """Raw data kept by session 31-32 holds session 31's ``fast_s`` (the fastest run) and
+    every step: the points read today's estimate from the steps, not the stored figure."""
+    d = Scenario("d", "decode", 1, 8, 66)
+    half_slow = [0.005, 0.003] + [0.00245] * 32 + [0.00175] * 32 + [0.0007]
+    steady = [0.005, 0.003] + [0.00175] * 64 + [0.0007]
+    samples = [{"scenario": "d", "arm": arm, "rep": 0, "runs": [runs] * 3,
+                "time_s": e2e.step_estimate(d, {"runs": [runs] * 3}),
+                "fast_s": min(e2e.run_estimates(d, {"runs": [runs] * 3}))}
+               for arm, runs in (("vanilla", half_slow), ("aa", steady))]
+    [p] = e2e.compute_points(samples, [d], ["vanilla", "aa"], "vanilla")
+    assert p["fast_ratio_median"] == pytest.approx(1.0)
+    assert p["ratio_median"] > 1.1          # the median's figure still reads the period
+
+
+def test_host_profile_labels_match_across_processes():
+    """A builtin's cProfile name carries its object's address, which differs per process."""
+    from fltune.integrations.vllm.e2e_worker import func_label
+    a = func_label(("~", 0, "<function Event.record at 0x7f3923529760>"))
+    b = func_label(("~", 0, "<function Event.record at 0x7f5a9d569760>"))
+    assert a == b == "<function Event.record>"
+    assert func_label(("~", 0, "<built-in method torch.mm>")) == "<built-in method torch.mm>"
+    assert func_label(("/x/site-packages/vllm/v1/core.py", 3, "step")) == "vllm/v1/core.py:3(step)"
 
 
 def test_interleaved_replies_merge_into_one_sample_with_the_gate_summed():
@@ -758,7 +809,7 @@ def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(r
         sc = Scenario(smp["scenario"], *(("decode", 2, 8, 5) if smp["scenario"] == "decode_b2"
                                          else ("prefill", 1, 32, 1)))
         assert smp["time_s"] == e2e.step_estimate(sc, smp)
-        assert smp["fast_s"] == min(e2e.run_estimates(sc, smp)) <= max(
+        assert smp["fast_s"] == e2e.fast_level_estimate(sc, smp) <= max(
             e2e.run_estimates(sc, smp))
     # interleaved: in every (repetition, scenario) no arm's second run starts before every
     # live arm's first run has (A B C A B C, not A A B B C C), on the host's one clock

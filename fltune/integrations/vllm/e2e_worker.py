@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import time
@@ -162,7 +163,7 @@ class Worker:
             self._steps = []
             h0 = host_state()
             # CLOCK_MONOTONIC is one clock for every process of the host: the runs of all
-            # arms can be put on one time line (which ran next to which: e2e.fastest_estimate)
+            # arms can be put on one time line (which ran next to which: benchmarks/interleave_check.py)
             t_mono = time.monotonic()
             t = self.gen(prompts, n)[0]
             h = host_delta(h0, host_state())
@@ -522,10 +523,13 @@ def func_label(f) -> str:
     """cProfile's (file, line, name) as ``pkg/mod.py:line(name)``, the path from its package
     on (after ``site-packages/``, or from ``fltune/`` for a source checkout; else its last
     three parts): install prefixes differ between machines, the package path names the
-    code (``vllm/v1/engine/core.py``, ``fltune/dispatch/frozen.py``)."""
+    code (``vllm/v1/engine/core.py``, ``fltune/dispatch/frozen.py``). A builtin's name
+    loses its object address (``<function Event.record at 0x7f39...>``): each process has
+    its own, and with it the arms' labels of one function never matched (session 33's
+    host profiles listed ``Event.record`` as a function only the arm ran)."""
     path, line, name = f
     if path == "~":                                  # a builtin
-        return name
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", name)
     path = path.replace("\\", "/")
     if "site-packages/" in path:
         tail = path.rsplit("site-packages/", 1)[1]
