@@ -31,7 +31,9 @@
 #                the served DB (shipped_db: every decision so far) against vanilla with
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
 #                adds the fixed FL order, FLONLY=1 it alone beside vanilla / aa, HOSTPROF=1 each arm's host time per Python
-#                function beyond vanilla's): issue 11's e2e-summary.json for PROFILE (run in
+#                function beyond vanilla's; PROCS=K: K vanilla processes, vanilla aa aa2 ..;
+#                RELABEL=1 on a card other than the DB's: the H200 picks re-labelled, a
+#                diagnostic): issue 11's e2e-summary.json for PROFILE (run in
 #                session 9 on Qwen3.5's linear decision alone, in session 15 on the shipped DB).
 #   PHASE=fijit  (run in session 10; its GDN build outlasted the call: PHASE=fibuild) FlashInfer's JIT (GDN prefill) built once and checked, the
 #                built modules split into $OUT/fiaot.tgz.part* (keep them in .fiaot/, carry
@@ -497,9 +499,14 @@ linbench) {
   # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
   [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
+  # PROCS=K: K-1 A/A arms (aa, aa2, ... each its own vanilla process) instead of one, so
+  # `benchmarks/interleave_check.py` can say how far processes of one engine sit apart at
+  # the fast level (session 33: one A/A process read ~1 % faster at every point of a run)
+  AAARMS="--arm aa=vanilla"
+  for k in $(seq 2 $(( ${PROCS:-2} - 1 ))); do AAARMS="$AAARMS --arm aa$k=vanilla"; done
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
-    --arm vanilla=vanilla --arm aa=vanilla $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
+    --arm vanilla=vanilla $AAARMS $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} ${INNER:+--inner $INNER} \
     ${INTERLEAVE:+--interleave $INTERLEAVE} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"

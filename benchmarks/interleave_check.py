@@ -18,6 +18,13 @@ one monotonic clock) and prints, per scenario and arm against the baseline:
   means a slow second covers neighbouring runs whatever their arm (interleaving pairs it
   away); near 0, each run's slowness is its own (no schedule pairs it away).
 
+- where the run has several A/A arms (arms whose environment is the baseline's, e.g.
+  ``--arm aa=vanilla --arm aa2=vanilla --arm aa3=vanilla``: ``PROCS=4`` of
+  ``benchmarks/h200_s7.sh`` linbench), the spread of their fast-level medians per scenario:
+  the offset between *processes* of one and the same engine, which more repetitions do
+  not shrink (session 33: at the fast level one A/A arm read 0.8-1.8 % faster than
+  vanilla at all three points of one run).
+
 Why: on the H200 machine whole runs move between two host-speed levels in periods of about
 a second (README "Why the wall time cannot see 1 % there"); with each arm's runs back to
 back one arm's three runs could sit in one slow period while the next arm's missed it
@@ -124,12 +131,33 @@ def analyse(raw: dict) -> list:
     return out
 
 
+def process_spread(raw: dict, rows: list) -> list:
+    """Per scenario, the fast-level medians of the A/A arms (environment equal to the
+    baseline's) and their spread: (max - min) and the sample SD, in % of 1. With one A/A
+    arm the spread is its distance from 1; the SD needs two or more."""
+    base = raw.get("baseline", "vanilla")
+    env = {n: a.get("env") for n, a in (raw.get("arms") or {}).items()}
+    replicas = [n for n in env if n != base and env[n] == env.get(base)]
+    out = []
+    for sc in dict.fromkeys(r["scenario"] for r in rows):
+        meds = {r["arm"]: r["fast_level"]["median"] for r in rows
+                if r["scenario"] == sc and r["arm"] in replicas and r.get("fast_level")}
+        if not meds:
+            continue
+        xs = [1.0] + list(meds.values())          # the baseline's own process reads 1
+        out.append({"scenario": sc, "replicas": meds,
+                    "range_pct": round(100 * (max(xs) - min(xs)), 2),
+                    "sd_pct": round(100 * statistics.stdev(xs), 2) if len(xs) > 2 else None})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("raw", help="e2e-raw.json or e2e-raw.json.gz of an instrument run")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
-    rows = analyse(load(a.raw))
+    raw = load(a.raw)
+    rows = analyse(raw)
     if not rows:
         print("no paired samples in", a.raw)
         return 1
@@ -143,9 +171,15 @@ def main(argv=None) -> int:
               f"round pairs {fmt(r['round_pairs'])}  "
               f"neighbours rho {nb['spearman']} ({nb['pairs']} pairs, {nb['gap_s_median']} s "
               f"apart), runs >1.15x slow {nb['slow_share']:.0%}")
+    spread = process_spread(raw, rows)
+    for sp in spread:
+        print(f"{sp['scenario']:>14} processes of the baseline's engine at the fast level: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sp["replicas"].items())
+              + f"  range {sp['range_pct']:.1f} %"
+              + (f", SD {sp['sd_pct']:.1f} %" if sp["sd_pct"] is not None else ""))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"points": rows, "process_spread": spread}, f, indent=1)
     return 0
 
 

@@ -1260,7 +1260,10 @@ def start_waves(arms: list) -> list:
     same vLLM compile cache: vanilla and its A/A) waits for the next wave, so that it reuses
     the first one's compiled graphs instead of compiling beside it into the same cache
     directory, where one could read what the other is half-way through writing. Arms with
-    fresh compile caches (``<fresh-dir>`` values) count as distinct."""
+    fresh compile caches (``<fresh-dir>`` values) count as distinct. All the later arms of
+    a group go together in the second wave: the first one has finished writing by then, and
+    they only read (several A/A processes, ``PROCS`` of ``benchmarks/h200_s7.sh``, would
+    otherwise start one wave each, ~40 s apiece on the GPU machine)."""
     groups: dict = {}
     for arm in arms:
         if any(v == FRESH_DIR for v in (arm.env or {}).values()):
@@ -1269,8 +1272,8 @@ def start_waves(arms: list) -> list:
             same = json.dumps([sorted((arm.env or {}).items()),
                                sorted((arm.engine or {}).items())], default=str)
         groups.setdefault(same, []).append(arm)
-    depth = max((len(g) for g in groups.values()), default=0)
-    return [[g[i] for g in groups.values() if len(g) > i] for i in range(depth)]
+    waves = [[g[0] for g in groups.values()], [a for g in groups.values() for a in g[1:]]]
+    return [w for w in waves if w]
 
 
 def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
