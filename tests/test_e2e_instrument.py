@@ -700,7 +700,7 @@ def test_points_have_the_documented_keys(run):
         assert p["ci_low"] <= p["ratio_median"] <= p["ci_high"]
         assert p["step_us_arm"] > 0 and p["step_us_vanilla"] > 0
         assert p["kernel_us_arm"] is None and p["kernel_us_vanilla"] is None   # CPU
-        # the second figure, from each repetition's fastest run, paired the same way
+        # the second figure, from each repetition's fast level, paired the same way
         assert p["fast_ci_low"] <= p["fast_ratio_median"] <= p["fast_ci_high"]
         assert len(p["fast_ratios"]) == REPS
     # every (rep, scenario) has each live arm once; arm order rotates between reps
