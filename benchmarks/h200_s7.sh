@@ -32,6 +32,7 @@
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
 #                adds the fixed FL order, FLONLY=1 it alone beside vanilla / aa, HOSTPROF=1 each arm's host time per Python
 #                function beyond vanilla's; PROCS=K: K vanilla processes, vanilla aa aa2 ..;
+#                NOCAL=1: no calibrated arm, e.g. `NOCAL=1 PROCS=4` measures processes' spread;
 #                RELABEL=1 on a card other than the DB's: the H200 picks re-labelled, a
 #                diagnostic): issue 11's e2e-summary.json for PROFILE (run in
 #                session 9 on Qwen3.5's linear decision alone, in session 15 on the shipped DB).
@@ -499,6 +500,8 @@ linbench) {
   # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
   [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
+  # NOCAL=1: no calibrated arm (an A/A run: vanilla and its A/A processes only)
+  [ "${NOCAL:-0}" = 1 ] && CALARM=
   # PROCS=K: K-1 A/A arms (aa, aa2, ... each its own vanilla process) instead of one, so
   # `benchmarks/interleave_check.py` can say how far processes of one engine sit apart at
   # the fast level (session 33: one A/A process read ~1 % faster at every point of a run)
