@@ -387,6 +387,9 @@ def test_interleaved_replies_merge_into_one_sample_with_the_gate_summed():
     with pytest.raises(ValueError, match="interleave must be one of"):
         e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], interleave="blocks",
                     device_type="cpu")
+    with pytest.raises(ValueError, match="prefill_inner must be >= 1"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], prefill_inner=0,
+                    device_type="cpu")
 
 
 def test_kernel_rounds_give_a_paired_kernel_ratio_and_ci():
@@ -795,7 +798,9 @@ def test_fresh_dirs_are_new_per_arm_and_variable_even_in_a_used_folder(tmp_path)
 def test_each_run_is_timed_per_engine_step_and_engine_overlays_reach_their_arm(run):
     res = run["res"]
     for smp in res.samples:
-        assert len(smp["runs"]) == 2 and len(smp["run_s"]) == 2          # inner=2
+        # inner=2: two runs a decode scenario, 3 x 2 a prefill one (PREFILL_INNER_FACTOR)
+        want = 2 if smp["scenario"] == "decode_b2" else 2 * e2e.PREFILL_INNER_FACTOR
+        assert len(smp["runs"]) == want and len(smp["run_s"]) == want
         for h in smp["host"]:
             # the host speedometer around each run: two positive loop times
             assert len(h["probe_us"]) == 2 and all(x > 0 for x in h["probe_us"])
@@ -1111,6 +1116,9 @@ def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
     ({**_summary([("decode_b16", "aa", 1.0)]),
       "engine": {"baseline": "vanilla", "reps": 10, "args": {"max_model_len": 1}}},
      "engine args differ"),
+    ({**_summary([("decode_b16", "aa", 1.0)]),
+      "engine": {"baseline": "vanilla", "reps": 10, "prefill_inner": 9}},
+     "engine prefill_inner differ"),
     ({k: v for k, v in _summary([("decode_b16", "aa", 1.0)]).items() if k != "vllm"},
      "summary 2 is not an e2e-summary.json \\(no vllm\\)"),
     ([], "summary 2 is not an e2e-summary.json \\(not an object\\)"),

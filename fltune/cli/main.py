@@ -362,7 +362,8 @@ def cmd_bench(a) -> int:
                      ("--engine", a.engine), ("--engine-process", a.engine_process),
                      ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
                      ("--time-limit", a.time_limit), ("--start-state", a.start_state),
-                     ("--inner", a.inner), ("--interleave", a.interleave)):
+                     ("--inner", a.inner), ("--prefill-inner", a.prefill_inner),
+                     ("--interleave", a.interleave)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -490,7 +491,7 @@ def cmd_bench_e2e(a) -> int:
                            pinning=a.pinning, probe_gate=a.probe_gate,
                            time_limit_s=a.time_limit, host_profile=a.host_profile,
                            start_state=a.start_state, inner=a.inner,
-                           interleave=a.interleave)
+                           prefill_inner=a.prefill_inner, interleave=a.interleave)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1059,9 +1060,13 @@ def _add_bench(sub) -> None:
                         "each as its start left it (default on CPU; FLTUNE_E2E_START_STATE). "
                         "The arm spec first-start keeps its compiled state either way")
     e.add_argument("--inner", type=_int_in(1, 100), metavar="K",
-                   help="timed runs per arm and scenario in a repetition (default 3); the "
-                        "repetition's time is their median (and, as a second figure, the "
-                        "fastest)")
+                   help="timed runs per arm and decode scenario in a repetition (default 3); "
+                        "the repetition's time is their median (and, as a second figure, "
+                        "the host's fast level)")
+    e.add_argument("--prefill-inner", type=_int_in(1, 300), metavar="K",
+                   help="timed runs per arm and prefill scenario in a repetition (default "
+                        "3x --inner: a prefill run is one or two engine steps, and the "
+                        "fastest of a few often still sits in a slow period of the host)")
     e.add_argument("--interleave", choices=["runs", "arms"],
                    help="runs (default; FLTUNE_E2E_INTERLEAVE): a repetition's runs one per "
                         "arm in turn, A B C A B C ..., so a slow second of the host lands on "

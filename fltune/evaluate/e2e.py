@@ -11,7 +11,7 @@ time, the arm order rotating between repetitions (AB, BA, ...) so drift lands on
 - decode: ``inner`` runs of ``generate`` with ``output_len`` tokens; the time per decode
   step is the median over 8-step windows of the runs' engine steps (:func:`step_estimate`);
 - prefill: one prompt of ``prompt_len`` tokens, ``max_tokens=1``; its engine steps' time,
-  median of ``inner`` runs.
+  median of ``prefill_inner`` runs (default ``PREFILL_INNER_FACTOR`` x ``inner``).
 
 Per repetition the paired ratio is baseline_time / arm_time (throughput relative to
 vanilla; the A/A arm is a second vanilla worker); the point's median and 95 % CI come from
@@ -344,6 +344,7 @@ class E2EResult:
     reps: int = 0
     warmup: int = 0
     inner: int = 1
+    prefill_inner: int = 1
     device_type: str = "cpu"
     model: str = ""
     kernels: dict = field(default_factory=dict)
@@ -388,6 +389,7 @@ class E2EResult:
                 "engine": {"args": self.engine, "notes": self.engine_notes,
                            "baseline": self.baseline, "reps": self.reps,
                            "warmup": self.warmup, "inner": self.inner,
+                           "prefill_inner": self.prefill_inner,
                            "ratio": "baseline time / arm time per repetition (throughput "
                                     "ratio); median and 95% paired bootstrap CI over reps",
                            "scenarios": self.scenarios,
@@ -421,7 +423,8 @@ class E2EResult:
         return {"model": self.model, "device_type": self.device_type, "engine": self.engine,
                 "engine_notes": self.engine_notes, "scenarios": self.scenarios,
                 "baseline": self.baseline, "reps": self.reps, "warmup": self.warmup,
-                "inner": self.inner, "points": self.points, "samples": self.samples,
+                "inner": self.inner, "prefill_inner": self.prefill_inner,
+                "points": self.points, "samples": self.samples,
                 "arms": self.arms_info, "kernels": self.kernels, "host": self.host,
                 **({"host_profiles": self.host_profiles} if self.host_profiles else {})}
 
@@ -458,7 +461,8 @@ def join_summaries(docs: list) -> dict:
                              f"runs of one model on one device and vLLM")
     # what makes the ratios comparable besides the model: the engine's arguments and the
     # method (warm-up, inner runs, pinning); the repetitions may differ (each point has n)
-    for key in ("args", "warmup", "inner", "pinning", "baseline", "interleave"):
+    for key in ("args", "warmup", "inner", "prefill_inner", "pinning", "baseline",
+                "interleave"):
         vals = {json.dumps((d.get("engine") or {}).get(key), sort_keys=True) for d in docs}
         if len(vals) > 1:
             raise ValueError(f"the summaries' engine {key} differ ({', '.join(sorted(vals))}): "
@@ -592,6 +596,16 @@ def fast_level_estimate(scenario: Scenario, r: dict) -> float | None:
     return _median([w for w in windows if w <= FAST_LEVEL_BAND * windows[0]])
 
 
+#: a prefill scenario's runs per arm and repetition, as a multiple of ``inner`` (``run_e2e``
+#: ``prefill_inner``). Why more than decode: a prefill run is one or two engine steps
+#: (20-40 ms at 2048-8192 tokens), so it has no level inside it to read
+#: (:func:`fast_level_estimate` takes the fastest run), and in the raw data of sessions
+#: 27, 28 and 33 the fastest of 3 runs sat over 3 % above the arm's fast level (the 10th
+#: percentile of all its runs) in about half of the repetitions at 2048 tokens: three runs
+#: close together in time often all fall in one slow period. Nine cost about what one
+#: decode run does (0.2-0.3 s).
+PREFILL_INNER_FACTOR = 3
+
 #: how a repetition's runs are scheduled (``run_e2e(interleave=)``): "runs", every arm's
 #: k-th run before any arm's (k+1)-th; "arms", each arm's inner runs back to back (the
 #: schedule before session 31)
@@ -656,7 +670,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             host_profile: bool | None = None,
             parallel_start: bool | None = None,
             start_state: str | None = None,
-            interleave: str | None = None) -> E2EResult:
+            interleave: str | None = None,
+            prefill_inner: int | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -747,6 +762,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         inner = 3
     if inner < 1:
         raise ValueError(f"inner must be >= 1, got {inner}")
+    if prefill_inner is None:
+        prefill_inner = PREFILL_INNER_FACTOR * inner
+    if prefill_inner < 1:
+        raise ValueError(f"prefill_inner must be >= 1, got {prefill_inner}")
     interleave = interleave or os.environ.get("FLTUNE_E2E_INTERLEAVE") or "runs"
     if interleave not in INTERLEAVES:
         raise ValueError(f"interleave must be one of {INTERLEAVES}, got {interleave!r}")
@@ -999,7 +1018,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 t_block = time.monotonic()
                 # "runs": one run per call, the arms in turn, the order rotated each round;
                 # "arms": one call of ``inner`` runs per arm
-                rounds, per_call = (inner, 1) if interleave == "runs" else (1, inner)
+                runs = prefill_inner if sc.kind == "prefill" else inner
+                rounds, per_call = (runs, 1) if interleave == "runs" else (1, runs)
                 replies: dict = {name: [] for name in order}
                 for i in range(rounds):
                     for name in order[i % len(order):] + order[:i % len(order)]:
@@ -1113,6 +1133,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
                        engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
                        baseline=baseline, reps=reps, warmup=warmup, inner=inner,
+                       prefill_inner=prefill_inner,
                        device_type=device_type, model=model, kernels=kernels, host=host,
                        host_profiles=host_profiles)
     if out_dir:
