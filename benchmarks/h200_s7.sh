@@ -475,11 +475,13 @@ linbench) {
   # kernels compiled at every capture size: session 17 got one repetition with both beside it)
   shipped_db
   CALARM="--arm calibrated=db:$DB"; FLARM=
+  # NOCAL=1: no calibrated arm (an A/A run: vanilla and its A/A processes only)
+  [ "${NOCAL:-0}" = 1 ] && CALARM=
   # RELABEL=1 (a DIAGNOSTIC, benchmarks/relabel_manifest.py): on a card other than the DB's
   # (an H100 lent for the H200's DB) the DB's picks for RELABEL_FROM (default H200) are
   # frozen and re-labelled for this card, so the arm routes what it routes on the H200
   # instead of falling back to vanilla; its figures say nothing about this card's best picks
-  if [ "${RELABEL:-0}" = 1 ]; then
+  if [ "${RELABEL:-0}" = 1 ] && [ -n "$CALARM" ]; then
     python3 -m fltune freeze --db $DB --device "${RELABEL_FROM:-H200}" --out "$W/manifest-src.json" >/dev/null \
       && python3 benchmarks/relabel_manifest.py "$W/manifest-src.json" "$W/manifest-relabelled.json" \
       && CALARM="--arm calibrated=manifest:$W/manifest-relabelled.json" \
@@ -500,8 +502,6 @@ linbench) {
   # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
   [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
-  # NOCAL=1: no calibrated arm (an A/A run: vanilla and its A/A processes only)
-  [ "${NOCAL:-0}" = 1 ] && CALARM=
   # PROCS=K: K-1 A/A arms (aa, aa2, ... each its own vanilla process) instead of one, so
   # `benchmarks/interleave_check.py` can say how far processes of one engine sit apart at
   # the fast level (session 33: one A/A process read ~1 % faster at every point of a run)

@@ -585,7 +585,7 @@ def fast_level_estimate(scenario: Scenario, r: dict) -> float | None:
     - prefill: the fastest run (a run is one or two engine steps: no level inside it).
     Session 31 took the fastest *run* for decode too, but a period that covers part of
     every run of one arm leaves it no fast run. Re-read on the raw data of sessions 28 and
-    33, the A/A half-width at decode fell from 3-11 % (fastest run) and 2.7-13 % (median)
+    33, the A/A half-width at decode fell from 1.0-11 % (fastest run) and 2.6-13 % (median)
     to 0.7-3.8 % (README, "fifteenth run")."""
     runs = [list(x) for x in r.get("runs") or [] if x]
     if not runs:

@@ -163,7 +163,8 @@ class Worker:
             self._steps = []
             h0 = host_state()
             # CLOCK_MONOTONIC is one clock for every process of the host: the runs of all
-            # arms can be put on one time line (which ran next to which: benchmarks/interleave_check.py)
+            # arms can be put on one time line (which ran next to which:
+            # benchmarks/interleave_check.py)
             t_mono = time.monotonic()
             t = self.gen(prompts, n)[0]
             h = host_delta(h0, host_state())
