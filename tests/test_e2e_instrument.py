@@ -288,6 +288,106 @@ def test_points_pair_repetitions():
     assert p["step_us_vanilla"] == 2e6 and p["step_us_arm"] == 1e6
 
 
+# ---- several processes per arm (``procs``): the process as a level of the CI ----------------
+
+def _proc_samples(offsets: dict, reps: int = 12, noise: float = 0.002, seed: int = 1):
+    """Samples of one decode scenario: arm -> per-process offsets (1.02: that process is
+    2 % slower in every repetition), a drift shared by all (the host's level of the
+    repetition) and a small independent noise per sample."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(reps):
+        drift = 1.0 + 0.2 * rng.random()
+        for arm, offs in offsets.items():
+            for j, off in enumerate(offs, start=1):
+                out.append({"scenario": "d", "arm": arm, "rep": r, "replica": j,
+                            "time_s": 1e-3 * drift * off * (1.0 + noise * rng.gauss(0, 1))})
+    return out
+
+
+def test_one_process_per_side_is_the_paired_bootstrap_draw_for_draw():
+    """With one process per arm the hierarchical CI draws nothing at the process level and
+    equals :func:`bootstrap_ci` of the same paired ratios exactly (older raw data, and every
+    run with ``procs=1``, read as before)."""
+    samples = _proc_samples({"vanilla": [1.0], "aa": [1.01]})
+    for s in samples[::2]:
+        s.pop("replica")                       # raw data from before procs: replica 1
+    base = e2e.rep_table(samples, "d", "vanilla")
+    arm = e2e.rep_table(samples, "d", "aa")
+    med, lo, hi, ratios = e2e.hierarchical_ci(base, arm)
+    assert (med, lo, hi) == bootstrap_ci(ratios)
+    assert ratios == [base[r][1] / arm[r][1] for r in sorted(base)]
+
+
+def test_a_process_offset_widens_the_ci_where_repetitions_alone_would_call_it_an_effect():
+    """An A/A where each process sits at its own level (a fixed offset in every repetition):
+    taken one process per side, the repetitions' bootstrap sees a tight interval clear of 1
+    (the offset reads as an effect); with two processes per side the CI resamples the
+    processes and holds 1. Without offsets the same design stays tight."""
+    offs = {"vanilla": [1.015, 0.99], "aa": [0.985, 1.01]}
+    samples = _proc_samples(offs)
+    one = [s for s in samples if s["replica"] == 1]
+    [p1] = e2e.compute_points(one, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
+                              "vanilla")
+    assert p1["ci_low"] > 1.01 and p1["procs_arm"] == 1 and p1["process_offsets_pct"] is None
+    [p2] = e2e.compute_points(samples, [Scenario("d", "decode", 1, 8, 9)],
+                              ["vanilla", "aa"], "vanilla")
+    assert p2["ci_low"] < 1.0 < p2["ci_high"]
+    assert p2["ci_high"] - p2["ci_low"] > 3 * (p1["ci_high"] - p1["ci_low"])
+    assert (p2["procs_arm"], p2["procs_vanilla"], p2["n"]) == (2, 2, 12)
+    # each process's offset from its arm's mean, in %: vanilla's first is the slower one
+    off = p2["process_offsets_pct"]
+    assert off["vanilla"][0] == pytest.approx(1.2, abs=0.3)
+    assert off["vanilla"][1] == pytest.approx(-1.2, abs=0.3)
+    assert off["arm"][0] < 0 < off["arm"][1]
+    # the point: the ratio of the processes' geometric means, per repetition
+    base = e2e.rep_table(samples, "d", "vanilla")
+    arm = e2e.rep_table(samples, "d", "aa")
+    assert p2["ratios"][0] == pytest.approx(
+        (base[0][1] * base[0][2]) ** 0.5 / (arm[0][1] * arm[0][2]) ** 0.5)
+    flat = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]})
+    [p0] = e2e.compute_points(flat, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
+                              "vanilla")
+    assert p0["ci_high"] - p0["ci_low"] < 0.01
+
+
+def test_a_process_missing_from_a_repetition_leaves_the_others_paired():
+    """A worker that died mid-run (its later samples missing): each repetition takes the
+    processes it has; a repetition with none on one side makes no pair."""
+    samples = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]}, reps=4)
+    samples = [s for s in samples if not (s["arm"] == "aa" and s["replica"] == 2
+                                          and s["rep"] >= 2)
+               and not (s["arm"] == "aa" and s["rep"] == 3)]
+    base = e2e.rep_table(samples, "d", "vanilla")
+    arm = e2e.rep_table(samples, "d", "aa")
+    assert sorted(arm) == [0, 1, 2] and sorted(arm[2]) == [1]
+    med, lo, hi, ratios = e2e.hierarchical_ci(base, arm)
+    assert len(ratios) == 3 and lo <= med <= hi
+
+
+def test_replica_workers_are_named_and_started_after_the_first_wave():
+    arms = [Arm("vanilla", {}), Arm("routed", {"FLTUNE_MANIFEST": "m.json"}), Arm("aa", {})]
+    reps = e2e.replica_arms(arms, 2)
+    assert [a.name for a in reps] == ["vanilla", "routed", "aa", "vanilla.p2", "routed.p2",
+                                      "aa.p2"]
+    assert reps[4].env == {"FLTUNE_MANIFEST": "m.json"}
+    assert e2e.replica_index(["vanilla", "routed", "aa"], 2)[3] == ("vanilla", 2)
+    assert e2e.replica_arms(arms, 1) == arms
+    # a later process runs what its arm's first one compiled: never in the first wave
+    assert [[a.name for a in w] for w in e2e.start_waves(reps)] == [
+        ["vanilla", "routed"], ["aa", "vanilla.p2", "aa.p2", "routed.p2"]]
+    with pytest.raises(ValueError, match="collide"):
+        e2e.replica_arms([Arm("vanilla", {}), Arm("vanilla.p2", {})], 2)
+    with pytest.raises(ValueError, match="procs must be >= 1"):
+        e2e.replica_arms(arms, 0)
+
+
+def test_procs_from_the_environment_must_be_a_number(monkeypatch):
+    monkeypatch.setenv("FLTUNE_E2E_PROCS", "two")
+    with pytest.raises(ValueError, match="FLTUNE_E2E_PROCS='two'"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], device_type="cpu")
+
+
 def test_the_fastest_run_reads_through_a_slow_period_that_the_median_does_not():
     """Session 28's batch-16 A/A (H200): a repetition where two of vanilla's three runs fell
     in a slow second of the host (1.45x) and aa's did not. The median pairs vanilla's slow
@@ -927,6 +1027,42 @@ def test_multiprocess_engine_mode_times_steps_from_the_front_end(tmp_path, monke
     assert [(p["scenario"], p["n"]) for p in res.points if p["arm"] == "aa"] == [("decode_b2", 1)]
 
 
+@engine_test
+def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
+    """``procs=2``: each arm runs in two worker processes (the second ``ARM.p2``), every
+    process is timed in every repetition and decodes the baseline's tokens, the point pairs
+    the processes' geometric means and says how far each process sat from its arm; the
+    host profile runs in each arm's first process only; the summary records it all."""
+    sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
+    res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
+                      warmup=0, inner=1, out_dir=str(tmp_path / "out"), procs=2,
+                      host_profile=True)
+    info = res.arms_info
+    assert sorted(info) == ["aa", "aa.p2", "vanilla", "vanilla.p2"]
+    for name, i in info.items():
+        assert i["started"], i.get("log_tail")
+        assert i["tokens_equal_baseline"] is True
+        assert (i["arm"], i["replica"]) == (name.split(".")[0], 2 if ".p2" in name else 1)
+    assert sorted((s["arm"], s["replica"], s["rep"]) for s in res.samples) == [
+        (a, j, r) for a in ("aa", "vanilla") for j in (1, 2) for r in (0, 1)]
+    assert len({s["position"] for s in res.samples}) == 4     # one turn per process
+    [p] = res.points
+    assert (p["n"], p["procs_arm"], p["procs_vanilla"]) == (2, 2, 2)
+    assert len(p["process_offsets_pct"]["arm"]) == len(p["process_offsets_pct"]["vanilla"]) == 2
+    t = {(s["arm"], s["replica"], s["rep"]): s["time_s"] for s in res.samples}
+    assert p["ratios"][1] == pytest.approx(
+        (t[("vanilla", 1, 1)] * t[("vanilla", 2, 1)]) ** 0.5
+        / (t[("aa", 1, 1)] * t[("aa", 2, 1)]) ** 0.5)
+    assert sorted(res.host_profiles["decode_b2"]["arms"]) == ["aa", "vanilla"]
+    assert any("2 worker processes per arm" in n for n in res.engine_notes)
+    doc = res.to_summary(device="cpu", model="tiny", vllm="x", command="c")
+    assert doc["engine"]["procs"] == 2 and "resamples" in doc["engine"]["ratio"]
+    assert doc["arms"]["aa.p2"]["replica"] == 2
+    assert doc["points"][0]["process_offsets_pct"] == p["process_offsets_pct"]
+    raw = json.loads((tmp_path / "out" / "e2e-raw.json").read_text())
+    assert raw["procs"] == 2 and {s["replica"] for s in raw["samples"]} == {1, 2}
+
+
 def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():
     fit = e2e._block_fits
     m = e2e.TIME_LIMIT_MARGIN_S
@@ -1119,6 +1255,9 @@ def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
     ({**_summary([("decode_b16", "aa", 1.0)]),
       "engine": {"baseline": "vanilla", "reps": 10, "prefill_inner": 9}},
      "engine prefill_inner differ"),
+    ({**_summary([("decode_b16", "aa", 1.0)]),
+      "engine": {"baseline": "vanilla", "reps": 10, "procs": 2}},
+     "engine procs differ"),
     ({k: v for k, v in _summary([("decode_b16", "aa", 1.0)]).items() if k != "vllm"},
      "summary 2 is not an e2e-summary.json \\(no vllm\\)"),
     ([], "summary 2 is not an e2e-summary.json \\(not an object\\)"),

@@ -363,7 +363,7 @@ def cmd_bench(a) -> int:
                      ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
                      ("--time-limit", a.time_limit), ("--start-state", a.start_state),
                      ("--inner", a.inner), ("--prefill-inner", a.prefill_inner),
-                     ("--interleave", a.interleave)):
+                     ("--interleave", a.interleave), ("--procs", a.procs)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -491,7 +491,8 @@ def cmd_bench_e2e(a) -> int:
                            pinning=a.pinning, probe_gate=a.probe_gate,
                            time_limit_s=a.time_limit, host_profile=a.host_profile,
                            start_state=a.start_state, inner=a.inner,
-                           prefill_inner=a.prefill_inner, interleave=a.interleave)
+                           prefill_inner=a.prefill_inner, interleave=a.interleave,
+                           procs=a.procs)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1067,6 +1068,11 @@ def _add_bench(sub) -> None:
                    help="timed runs per arm and prefill scenario in a repetition (default "
                         "3x --inner: a prefill run is one or two engine steps, and the "
                         "fastest of a few often still sits in a slow period of the host)")
+    e.add_argument("--procs", type=_int_in(1, 16), metavar="K",
+                   help="worker processes per arm (default 1; FLTUNE_E2E_PROCS), each timed "
+                        "in every repetition; the CI resamples processes as well as "
+                        "repetitions, so an offset of one process reads as noise, not as an "
+                        "effect (engine starts and run time grow K-fold)")
     e.add_argument("--interleave", choices=["runs", "arms"],
                    help="runs (default; FLTUNE_E2E_INTERLEAVE): a repetition's runs one per "
                         "arm in turn, A B C A B C ..., so a slow second of the host lands on "

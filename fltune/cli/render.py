@@ -657,6 +657,16 @@ def render_e2e(doc: dict, console=None) -> None:
     console.print(f"(n = reps; green: CI above 1.00 (faster than {base}), red: CI below 1.00; "
                   f"A/A arms show the instrument's noise: their CI half-width is the smallest "
                   f"effect that can be read)")
+    # several processes per arm: how far each process sat from its arm's mean
+    for p in doc["points"]:
+        offs = p.get("process_offsets_pct") or {}
+        if offs:
+            def fmt(xs):
+                return ", ".join("—" if x is None else f"{x:+.1f}%" for x in xs)
+            console.print(f"processes {p['scenario']} {escape(p['arm'])}: "
+                          f"{fmt(offs.get('arm') or [])} · {base}: "
+                          f"{fmt(offs.get('vanilla') or [])} (each process's time against "
+                          f"its arm's mean, median over reps)")
     # where a step's kernel time moved by 1 % or more: the kernels that moved it most
     for p in doc["points"]:
         deltas, base_us = p.get("kernel_top_deltas") or [], p.get("kernel_us_vanilla")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import glob
 import json
+import math
 import os
 import queue
 import random
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..util import ENGINE_MAX_BATCHED_TOKENS
 from .model_dir import config_of, is_multimodal_wrapper, stable_model_dir
@@ -128,6 +129,12 @@ def bootstrap_ci(ratios, *, resamples: int = 2000, confidence: float = 0.95,
     rng = random.Random(seed)
     n = len(xs)
     meds = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(resamples))
+    return _percentile_interval(med, meds, confidence)
+
+
+def _percentile_interval(med: float, meds: list, confidence: float) -> tuple:
+    """(med, low, high): the percentile interval of the sorted resampled ``meds``,
+    widened to hold ``med``."""
     alpha = (1.0 - confidence) / 2.0
 
     def pct(q):
@@ -137,6 +144,77 @@ def bootstrap_ci(ratios, *, resamples: int = 2000, confidence: float = 0.95,
         return meds[lo] + (meds[hi] - meds[lo]) * (pos - lo)
 
     return med, min(pct(alpha), med), max(pct(1.0 - alpha), med)
+
+
+def _geomean(xs: list) -> float:
+    if len(xs) == 1:        # exactly the one time (one process per arm: as before procs)
+        return float(xs[0])
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def paired_ratios(base: dict, arm: dict, base_procs=None, arm_procs=None,
+                  reps=None) -> list:
+    """Per repetition (of ``reps``, default every one both sides have), the ratio
+    baseline time / arm time, each side's time the geometric mean over its processes
+    (``base_procs`` / ``arm_procs``, default all; a list with repeats counts a process
+    twice, as a bootstrap draw does). ``base`` and ``arm``: repetition -> {process
+    (replica index) -> seconds}, as :func:`rep_table` makes them."""
+    if reps is None:
+        reps = sorted(r for r in base if r in arm)
+    out = []
+    for r in reps:
+        b = [base[r][j] for j in (base_procs or base[r]) if j in base[r]]
+        a = [arm[r][j] for j in (arm_procs or arm[r]) if j in arm[r]]
+        if b and a:
+            out.append(_geomean(b) / _geomean(a))
+    return out
+
+
+def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
+                    confidence: float = 0.95, seed: int = 0) -> tuple:
+    """(median, low, high, ratios) of the paired ratio where each arm ran in one or more
+    worker processes (``run_e2e(procs=)``): the point is the median over repetitions of
+    :func:`paired_ratios`; each bootstrap draw resamples, with replacement, first each
+    side's processes, then the repetitions (the two levels of a hierarchical bootstrap).
+
+    Why the processes are a level of their own: an offset that belongs to a process (where
+    its memory landed, what its host threads share, how its engine warmed up) is the same
+    in every repetition, so resampling repetitions alone cannot see it, and an A/A of two
+    single processes can then read 1-2 % apart with a CI clear of 1 (session 33's H100
+    run, session 28's H200 runs). With one process per side nothing is drawn at the first
+    level and this is :func:`bootstrap_ci` of the paired ratios, draw for draw."""
+    reps = sorted(r for r in base if r in arm)
+    ratios = paired_ratios(base, arm, reps=reps)
+    bp = sorted({j for r in reps for j in base[r]})
+    ap = sorted({j for r in reps for j in arm[r]})
+    if len(bp) <= 1 and len(ap) <= 1:
+        return (*bootstrap_ci(ratios, resamples=resamples, confidence=confidence,
+                              seed=seed), ratios)
+    med = statistics.median(ratios)
+    rng = random.Random(seed)
+    meds = []
+    for _ in range(resamples):
+        bsel = rng.choices(bp, k=len(bp)) if len(bp) > 1 else bp
+        asel = rng.choices(ap, k=len(ap)) if len(ap) > 1 else ap
+        xs = paired_ratios(base, arm, bsel, asel, rng.choices(reps, k=len(reps)))
+        if xs:
+            meds.append(statistics.median(xs))
+    return (*_percentile_interval(med, sorted(meds), confidence), ratios)
+
+
+def process_offsets(table: dict) -> list:
+    """Per process (replica 1, 2, ...) of one arm, how far its time sits from the arm's
+    geometric mean, in percent: the median over repetitions of its log-ratio (> 0: slower
+    than its siblings). The spread between processes of one and the same engine, which
+    repetitions do not shrink."""
+    procs = sorted({j for t in table.values() for j in t})
+    out = []
+    for j in procs:
+        logs = [math.log(t[j] / _geomean(list(t.values()))) for t in table.values()
+                if j in t and len(t) > 1]
+        out.append(round(100.0 * (math.exp(statistics.median(logs)) - 1.0), 3)
+                   if logs else None)
+    return out
 
 
 # ---- engine arguments -------------------------------------------------------------------
@@ -329,7 +407,8 @@ class _Proc:
 POINT_KEYS = ("scenario", "arm", "n", "ratio_median", "ci_low", "ci_high", "kernel_us_arm",
               "kernel_us_vanilla", "step_us_arm", "step_us_vanilla", "kernel_n",
               "kernel_ratio_median", "kernel_ci_low", "kernel_ci_high", "kernel_top_deltas",
-              "fast_ratio_median", "fast_ci_low", "fast_ci_high")
+              "fast_ratio_median", "fast_ci_low", "fast_ci_high", "procs_arm",
+              "procs_vanilla", "process_offsets_pct")
 
 
 @dataclass
@@ -345,6 +424,8 @@ class E2EResult:
     warmup: int = 0
     inner: int = 1
     prefill_inner: int = 1
+    #: worker processes per arm (``run_e2e(procs=)``)
+    procs: int = 1
     device_type: str = "cpu"
     model: str = ""
     kernels: dict = field(default_factory=dict)
@@ -381,7 +462,9 @@ class E2EResult:
                           "effective_routes": (a.get("counters") or {}).get("effective_routes"),
                           "kv_cache": info.get("kv_cache"), "init_s": info.get("init_s"),
                           "compile_state": (a.get("compile") or {}).get("state"),
-                          "restarted": "first_start" in a}
+                          "restarted": "first_start" in a,
+                          **({"arm": a["arm"], "replica": a["replica"]}
+                             if "replica" in a else {})}
         return {"device": device, "model": model, "vllm": vllm,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds"),
@@ -389,9 +472,12 @@ class E2EResult:
                 "engine": {"args": self.engine, "notes": self.engine_notes,
                            "baseline": self.baseline, "reps": self.reps,
                            "warmup": self.warmup, "inner": self.inner,
-                           "prefill_inner": self.prefill_inner,
-                           "ratio": "baseline time / arm time per repetition (throughput "
-                                    "ratio); median and 95% paired bootstrap CI over reps",
+                           "prefill_inner": self.prefill_inner, "procs": self.procs,
+                           "ratio": ("baseline time / arm time per repetition (throughput "
+                                     "ratio); median and 95% paired bootstrap CI over reps"
+                                     + ("; each arm's time per repetition the geometric mean "
+                                        "of its processes', which the CI resamples too"
+                                        if self.procs > 1 else "")),
                            "scenarios": self.scenarios,
                            "pinning": (self.host.get("pinning") or {}).get("mode"),
                            "probe_gate": self.host.get("probe_gate"),
@@ -424,7 +510,7 @@ class E2EResult:
                 "engine_notes": self.engine_notes, "scenarios": self.scenarios,
                 "baseline": self.baseline, "reps": self.reps, "warmup": self.warmup,
                 "inner": self.inner, "prefill_inner": self.prefill_inner,
-                "points": self.points, "samples": self.samples,
+                "procs": self.procs, "points": self.points, "samples": self.samples,
                 "arms": self.arms_info, "kernels": self.kernels, "host": self.host,
                 **({"host_profiles": self.host_profiles} if self.host_profiles else {})}
 
@@ -462,8 +548,10 @@ def join_summaries(docs: list) -> dict:
     # what makes the ratios comparable besides the model: the engine's arguments and the
     # method (warm-up, inner runs, pinning); the repetitions may differ (each point has n)
     for key in ("args", "warmup", "inner", "prefill_inner", "pinning", "baseline",
-                "interleave"):
-        vals = {json.dumps((d.get("engine") or {}).get(key), sort_keys=True) for d in docs}
+                "interleave", "procs"):
+        # a summary from before ``procs`` ran one process per arm
+        vals = {json.dumps((d.get("engine") or {}).get(key, 1 if key == "procs" else None),
+                           sort_keys=True) for d in docs}
         if len(vals) > 1:
             raise ValueError(f"the summaries' engine {key} differ ({', '.join(sorted(vals))}): "
                              f"their ratios were measured differently")
@@ -671,7 +759,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             parallel_start: bool | None = None,
             start_state: str | None = None,
             interleave: str | None = None,
-            prefill_inner: int | None = None) -> E2EResult:
+            prefill_inner: int | None = None,
+            procs: int | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -727,6 +816,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     back one arm's three runs could all fall in one while the next arm's missed it (session
     28's batch-16 A/A: a repetition's vanilla runs at 1.45x, aa's at 1.0x); interleaved the
     arms share the period, and :func:`fast_level_estimate` reads each arm's fast level.
+    ``procs`` (default ``FLTUNE_E2E_PROCS``, else 1): worker processes per arm
+    (:func:`replica_arms`), each timed in every repetition, and the point's CI resamples
+    the processes as well as the repetitions (:func:`hierarchical_ci`): why, see
+    :data:`PROCESS_NOTE`. The kernel and host profiles run in each arm's first process.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -737,6 +830,18 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         raise ValueError(f"the baseline arm {baseline!r} is not among the arms {names}")
     if reps < 1:
         raise ValueError("reps must be >= 1")
+    n_procs = procs     # ``procs`` below is the workers by name
+    if n_procs is None:
+        env_procs = os.environ.get("FLTUNE_E2E_PROCS") or "1"
+        try:
+            n_procs = int(env_procs)
+        except ValueError:
+            raise ValueError(f"FLTUNE_E2E_PROCS={env_procs!r}: a whole number of worker "
+                             f"processes per arm (1 or more)") from None
+    # from here on every "arm" is one worker process: an arm's first keeps its name
+    arm_names, arms = names, replica_arms(arms, n_procs)
+    replica_of = {a.name: (base, j) for a, (base, j) in zip(arms,
+                                                            replica_index(names, n_procs))}
     pinning = pinning or os.environ.get("FLTUNE_E2E_PINNING") or "shared"
     if pinning not in PINNING_MODES:
         raise ValueError(f"pinning must be one of {PINNING_MODES}, got {pinning!r}")
@@ -1041,8 +1146,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 for pos, name in enumerate(order):
                     if measured and replies.get(name) and name in procs:
                         res = merge_time_replies(replies[name])
-                        samples.append({"rep": r - warmup, "scenario": sc.name, "arm": name,
-                                        "position": pos, "time_s": step_estimate(sc, res),
+                        base, j = replica_of[name]
+                        samples.append({"rep": r - warmup, "scenario": sc.name, "arm": base,
+                                        "replica": j, "position": pos,
+                                        "time_s": step_estimate(sc, res),
                                         "fast_s": fast_level_estimate(sc, res), **res})
                 block_s[sc.name] = time.monotonic() - t_block
                 progress("rep", rep=r, warmup=not measured, scenario=sc.name)
@@ -1056,7 +1163,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             reps_done += int(measured)
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
                     time.monotonic(), time.monotonic() - t_rep, deadline,
-                    kernel_reps if kernel_profile else 0, inner):
+                    kernel_reps if kernel_profile else 0, inner * n_procs):
                 time_limit_record()
                 progress("time_limit", reps_done=reps_done, reps=reps)
                 break
@@ -1079,7 +1186,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         # at the limit: no further round, in this scenario or the next
                         time_limit_record().setdefault("kernel_rounds", {})[sc.name] = r
                         break
-                    live = list(procs)
+                    # device time: one process per arm (its first) is enough
+                    live = [n for n in procs if replica_of[n][1] == 1]
                     order = live[r % len(live):] + live[:r % len(live)] if live else []
                     for name in order:
                         try:
@@ -1101,7 +1209,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     time_limit_record()["host_profile_cut"] = sc.name
                     break
                 got = {}
-                for name in list(procs):
+                for name in [n for n in procs if replica_of[n][1] == 1]:
                     try:
                         got[name] = measured_call(name, cmd="hostprof", scenario=asdict(sc))
                         got[name].pop("ok", None)
@@ -1129,11 +1237,16 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         if by_proc is not None:
             info["counters_by_process"] = by_proc
 
-    points = compute_points(samples, scenarios, [a.name for a in arms], baseline, kernels)
+    for name, info in arms_info.items():
+        if n_procs > 1:
+            info["arm"], info["replica"] = replica_of[name]
+    if n_procs > 1:
+        notes = notes + [PROCESS_NOTE.format(procs=n_procs)]
+    points = compute_points(samples, scenarios, arm_names, baseline, kernels)
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
                        engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
                        baseline=baseline, reps=reps, warmup=warmup, inner=inner,
-                       prefill_inner=prefill_inner,
+                       prefill_inner=prefill_inner, procs=n_procs,
                        device_type=device_type, model=model, kernels=kernels, host=host,
                        host_profiles=host_profiles)
     if out_dir:
@@ -1393,30 +1506,44 @@ def kernel_deltas(base: dict | None, arm: dict | None, n: int = 5) -> list:
     return out[:n]
 
 
+def rep_table(samples: list, scenario: str, arm: str, value=None) -> dict:
+    """repetition -> {replica -> seconds} of one arm's samples of one scenario; ``value``
+    (sample -> seconds or None, default its ``time_s``) picks the estimate. A sample from
+    before ``procs`` is replica 1; a time that is missing or not positive is left out."""
+    value = value or (lambda s: s.get("time_s"))
+    out: dict = {}
+    for s in samples:
+        if s["scenario"] == scenario and s["arm"] == arm:
+            t = value(s)
+            if t is not None and t > 0:
+                out.setdefault(s["rep"], {})[s.get("replica", 1)] = t
+    return out
+
+
 def compute_points(samples: list, scenarios: list, arm_names: list, baseline: str,
                    kernels: dict | None = None) -> list:
-    """One point per (scenario, non-baseline arm) from the paired per-repetition samples."""
+    """One point per (scenario, non-baseline arm) from the paired per-repetition samples
+    (with several processes per arm, :func:`hierarchical_ci`)."""
     kernels = kernels or {}
-    by = {(s["scenario"], s["arm"], s["rep"]): s["time_s"] for s in samples}
     points = []
     for sc in scenarios:
-        base_reps = {rep: t for (scn, arm, rep), t in by.items()
-                     if scn == sc.name and arm == baseline}
+        base = rep_table(samples, sc.name, baseline)
         for name in arm_names:
             if name == baseline:
                 continue
-            pairs = [(base_reps[rep], t) for (scn, arm, rep), t in sorted(by.items())
-                     if scn == sc.name and arm == name and rep in base_reps and t > 0]
-            if not pairs:
+            arm = rep_table(samples, sc.name, name)
+            med, lo, hi, ratios = hierarchical_ci(base, arm)
+            if not ratios:
                 continue
-            ratios = [b / t for b, t in pairs]
-            med, lo, hi = bootstrap_ci(ratios)
+            reps = sorted(r for r in base if r in arm)
             k = kernels.get(sc.name, {})
             ka, kb = _kernel_rounds(k.get(name)), _kernel_rounds(k.get(baseline))
             kpairs = [b / a for a, b in zip(ka, kb) if a and b]
             kmed, klo, khi = bootstrap_ci(kpairs) if kpairs else (None, None, None)
+            procs_arm = len({j for r in reps for j in arm[r]})
+            procs_base = len({j for r in reps for j in base[r]})
             points.append({
-                "scenario": sc.name, "arm": name, "n": len(pairs), "ratio_median": med,
+                "scenario": sc.name, "arm": name, "n": len(ratios), "ratio_median": med,
                 "ci_low": lo, "ci_high": hi,
                 "kernel_us_arm": _median(ka) if ka else None,
                 "kernel_us_vanilla": _median(kb) if kb else None,
@@ -1425,9 +1552,14 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
                 "kernel_n": len(kpairs), "kernel_ratio_median": kmed,
                 "kernel_ci_low": klo, "kernel_ci_high": khi,
                 "kernel_top_deltas": kernel_deltas(k.get(baseline), k.get(name)),
-                "step_us_arm": _median([t for _, t in pairs]) * 1e6,
-                "step_us_vanilla": _median([b for b, _ in pairs]) * 1e6,
+                "step_us_arm": _median([_geomean(list(arm[r].values())) for r in reps]) * 1e6,
+                "step_us_vanilla": _median([_geomean(list(base[r].values()))
+                                            for r in reps]) * 1e6,
                 "ci_half_width": (hi - lo) / 2, "ratios": ratios,
+                "procs_arm": procs_arm, "procs_vanilla": procs_base,
+                "process_offsets_pct": ({"arm": process_offsets(arm),
+                                         "vanilla": process_offsets(base)}
+                                        if max(procs_arm, procs_base) > 1 else None),
                 **_fast_figures(samples, sc, name, baseline)})
     return points
 
@@ -1435,17 +1567,16 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
 def _fast_figures(samples: list, scenario: Scenario, arm: str, baseline: str) -> dict:
     """The point's ratio from :func:`fast_level_estimate` (``fast_ratio_median``,
     ``fast_ci_low``, ``fast_ci_high``, ``fast_ratios``), paired per repetition like the
-    main one: read from the sample's steps where it has them (so older raw data reads
-    with today's estimate), else its recorded ``fast_s``; empty where a sample has neither
-    (raw data before session 31 that kept no steps)."""
-    by = {(s["arm"], s["rep"]): (fast_level_estimate(scenario, s) if s.get("runs")
-                                 else s.get("fast_s"))
-          for s in samples if s["scenario"] == scenario.name}
-    ratios = [by[(baseline, rep)] / t for (a, rep), t in sorted(by.items())
-              if a == arm and t and by.get((baseline, rep))]
+    main one (processes too): read from the sample's steps where it has them (so older raw
+    data reads with today's estimate), else its recorded ``fast_s``; empty where a sample
+    has neither (raw data before session 31 that kept no steps)."""
+    def fast(s):
+        return fast_level_estimate(scenario, s) if s.get("runs") else s.get("fast_s")
+
+    med, lo, hi, ratios = hierarchical_ci(rep_table(samples, scenario.name, baseline, fast),
+                                          rep_table(samples, scenario.name, arm, fast))
     if not ratios:
         return {}
-    med, lo, hi = bootstrap_ci(ratios)
     return {"fast_ratio_median": med, "fast_ci_low": lo, "fast_ci_high": hi,
             "fast_ratios": ratios}
 
@@ -1484,6 +1615,43 @@ def resolve_fresh_dirs(env: dict, parent: str, arm_name: str) -> tuple[dict, dic
     made = {k: tempfile.mkdtemp(prefix=f"fresh-{safe}-{k.lower()}-", dir=parent)
             for k, v in env.items() if v == FRESH_DIR}
     return {**env, **made}, made
+
+
+def replica_name(arm: str, replica: int) -> str:
+    """The worker of ``arm``'s ``replica``-th process (``run_e2e(procs=)``): the first keeps
+    the arm's name (its logs, counters and profiles read as with one process), the others
+    ``ARM.pN``."""
+    return arm if replica == 1 else f"{arm}.p{replica}"
+
+
+def replica_index(names: list, procs: int) -> list:
+    """(arm, replica) of each worker of :func:`replica_arms`, in its order."""
+    return [(n, j) for j in range(1, procs + 1) for n in names]
+
+
+def replica_arms(arms: list, procs: int) -> list:
+    """Every arm as ``procs`` worker processes (:func:`replica_name`), the arms' first
+    processes first, then their second ones, ...: the arms' order within each round of a
+    repetition is rotated anyway, and :func:`start_waves` starts an arm's later processes
+    with the second wave (they run what the first compiled)."""
+    if procs < 1:
+        raise ValueError(f"procs must be >= 1, got {procs}")
+    out = [replace(a, name=replica_name(a.name, j)) for j in range(1, procs + 1) for a in arms]
+    names = [a.name for a in out]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise ValueError(f"with procs={procs} the arm names {', '.join(clash)} collide with "
+                         f"the names of later processes (ARM.pN): rename those arms")
+    return out
+
+
+#: the engine note of a run with several processes per arm (``run_e2e(procs=)``)
+PROCESS_NOTE = ("{procs} worker processes per arm, each timed in every repetition: an arm's "
+                "time per repetition is the geometric mean of its processes', and the CI "
+                "resamples processes as well as repetitions, so an offset that belongs to "
+                "one process (the same in every repetition) widens the CI instead of "
+                "reading as an effect; the kernel and host profiles ran in each arm's first "
+                "process")
 
 
 def parse_arm(text: str) -> Arm:
