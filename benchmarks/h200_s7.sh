@@ -31,8 +31,9 @@
 #                the served DB (shipped_db: every decision so far) against vanilla with
 #                the instrument (`fltune bench --e2e`, arms vanilla / aa / calibrated, FL=1
 #                adds the fixed FL order, FLONLY=1 it alone beside vanilla / aa, HOSTPROF=1 each arm's host time per Python
-#                function beyond vanilla's; PROCS=K: K vanilla processes, vanilla aa aa2 ..;
-#                NOCAL=1: no calibrated arm, e.g. `NOCAL=1 PROCS=4` measures processes' spread;
+#                function beyond vanilla's; PROCS=K: `--procs K`, every arm in K processes
+#                (the CI resamples them: an offset of one process is noise, not an effect);
+#                NOCAL=1: no calibrated arm, e.g. `NOCAL=1 PROCS=3` measures processes' spread;
 #                RELABEL=1 on a card other than the DB's: the H200 picks re-labelled, a
 #                diagnostic): issue 11's e2e-summary.json for PROFILE (run in
 #                session 9 on Qwen3.5's linear decision alone, in session 15 on the shipped DB).
@@ -501,18 +502,19 @@ linbench) {
   # start every arm loaded (one model path per config, session 29: not yet seen on the GPU;
   # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
-  [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; }
-  # PROCS=K: K-1 A/A arms (aa, aa2, ... each its own vanilla process) instead of one, so
-  # `benchmarks/interleave_check.py` can say how far processes of one engine sit apart at
-  # the fast level (session 33: one A/A process read ~1 % faster at every point of a run)
+  [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; PROCS=; }
+  # PROCS=K: `--procs K`, every arm in K worker processes (vanilla, vanilla.p2, ...), each
+  # timed in every repetition; the point's CI resamples the processes, and each point says
+  # how far each process sat from its arm (process_offsets_pct; session 33: one A/A process
+  # read ~1 % faster than vanilla at every point of a run). Until session 34 PROCS=K added
+  # K-2 A/A arms (aa2, aa3, ...) instead.
   AAARMS="--arm aa=vanilla"
-  for k in $(seq 2 $(( ${PROCS:-2} - 1 ))); do AAARMS="$AAARMS --arm aa$k=vanilla"; done
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla $AAARMS $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} ${INNER:+--inner $INNER} \
-    ${INTERLEAVE:+--interleave $INTERLEAVE} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${INTERLEAVE:+--interleave $INTERLEAVE} ${PROCS:+--procs $PROCS} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   state_summary "$W/e2e-raw.json"
   # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
   [ -n "${HOSTPROF:-}" ] && python3 -c "

@@ -1,0 +1,58 @@
+"""benchmarks/interleave_check.py on a synthetic raw file of a run with two processes per arm
+(``fltune bench --e2e --procs 2``): each process is read as an arm of its own against the
+baseline's first process, the spread between the baseline engine's processes is printed, and
+the instrument's own points (CI over processes and repetitions) come out beside them."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "interleave_check.py"
+
+
+def _raw(offsets: dict, reps: int = 6) -> dict:
+    """Decode at batch 1, three interleaved runs per process and repetition; each process
+    sits at its own level (``offsets``), the host adds a shared drift per repetition."""
+    rng = random.Random(7)
+    samples, t = [], 0.0
+    for r in range(reps):
+        drift = 1.0 + 0.1 * rng.random()
+        for arm, offs in offsets.items():
+            for j, off in enumerate(offs, start=1):
+                runs, host = [], []
+                for _ in range(3):
+                    step = 1e-3 * drift * off
+                    runs.append([step * (1 + 0.001 * rng.gauss(0, 1)) for _ in range(20)])
+                    host.append({"t_mono": t})
+                    t += 0.05
+                samples.append({"rep": r, "scenario": "decode_b1", "arm": arm, "replica": j,
+                                "position": 0, "runs": runs, "host": host})
+    arms = {("vanilla" if j == 1 else f"vanilla.p{j}") if a == "vanilla" else
+            (a if j == 1 else f"{a}.p{j}"): {"env": {}} for a, offs in offsets.items()
+            for j in range(1, len(offs) + 1)}
+    return {"baseline": "vanilla", "procs": 2, "arms": arms, "samples": samples,
+            "scenarios": [{"name": "decode_b1", "kind": "decode", "batch": 1,
+                           "prompt_len": 16, "output_len": 21}]}
+
+
+def test_every_process_is_read_and_the_points_resample_processes(tmp_path):
+    raw = tmp_path / "e2e-raw.json"
+    raw.write_text(json.dumps(_raw({"vanilla": [1.0, 1.02], "aa": [0.99, 1.01]})))
+    out = tmp_path / "check.json"
+    r = subprocess.run([sys.executable, str(SCRIPT), str(raw), "--json", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    rows = {(p["scenario"], p["arm"]): p for p in doc["points"]}
+    assert set(rows) == {("decode_b1", a) for a in ("vanilla.p2", "aa", "aa.p2")}
+    # vanilla's second process is 2 % slower than its first in every repetition
+    assert abs(rows[("decode_b1", "vanilla.p2")]["fast_level"]["median"] - 1 / 1.02) < 0.003
+    [sp] = doc["process_spread"]
+    assert set(sp["replicas"]) == {"vanilla.p2", "aa", "aa.p2"} and sp["range_pct"] > 2.5
+    [p] = doc["arm_points"]
+    assert (p["arm"], p["procs_arm"], p["procs_vanilla"]) == ("aa", 2, 2)
+    assert p["fast_ci_low"] < 1.0 < p["fast_ci_high"]
+    assert "2 processes a side" in r.stdout
