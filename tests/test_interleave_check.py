@@ -56,3 +56,24 @@ def test_every_process_is_read_and_the_points_resample_processes(tmp_path):
     assert (p["arm"], p["procs_arm"], p["procs_vanilla"]) == ("aa", 2, 2)
     assert p["fast_ci_low"] < 1.0 < p["fast_ci_high"]
     assert "2 processes a side" in r.stdout
+
+
+def test_the_hierarchical_ci_holds_1_where_a_process_offset_fools_the_repetitions():
+    """benchmarks/procs_coverage.py's simulated A/A at the offset session 34 bounded
+    (σ_p 0.68 %, fixed seeds): the CI that resamples processes holds the true ratio about
+    as often as a 95 % CI should; the repetitions' bootstrap, one process or several
+    averaged, holds it far less often: its width says nothing about the process offset."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import procs_coverage
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    res = procs_coverage.run(k=3, reps=12, sigma_p=0.0068, sigma_e=0.01, sims=60,
+                             resamples=300)
+    assert res["K processes, hierarchical"]["coverage"] >= 0.85
+    assert res["K processes, reps bootstrap"]["coverage"] <= 0.8
+    assert res["one process, reps bootstrap"]["coverage"] <= 0.8
+    # no offset at all: every design holds 1 most of the time
+    flat = procs_coverage.run(k=3, reps=12, sigma_p=0.0, sigma_e=0.01, sims=60,
+                              resamples=300)
+    assert all(v["coverage"] >= 0.85 for v in flat.values())
