@@ -1075,11 +1075,27 @@ def test_a_time_limit_keeps_room_for_the_next_repetition_and_the_kernel_profile(
     fit = e2e._reps_fit
     m = e2e.TIME_LIMIT_MARGIN_S
     # 10 s repetitions of 3 runs each; a profile round ~ 2/3 of one: 6.7 s a round
-    assert fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m, kernel_rounds=3, inner=3)
-    assert not fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m - 0.1, kernel_rounds=3, inner=3)
+    assert fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m, kernel_rounds=3, profile_share=2 / 3)
+    assert not fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m - 0.1, kernel_rounds=3,
+                   profile_share=2 / 3)
     # no kernel profile (CPU): only the next repetition and the margin
-    assert fit(100.0, 10.0, 110.0 + m, kernel_rounds=0, inner=3)
-    assert not fit(100.0, 10.0, 109.9 + m, kernel_rounds=0, inner=3)
+    assert fit(100.0, 10.0, 110.0 + m, kernel_rounds=0, profile_share=2 / 3)
+    assert not fit(100.0, 10.0, 109.9 + m, kernel_rounds=0, profile_share=2 / 3)
+
+
+def test_a_profile_round_costs_its_share_of_the_repetition_by_scenario_and_process():
+    share = e2e.profile_share
+    dec, pre = Scenario("decode_b1", "decode", 1, 16, 65), Scenario("p", "prefill", 1, 64, 1)
+    # decode alone: two profiled runs against inner timed ones (the estimate before)
+    assert share({"decode_b1": 6.0}, [dec], 3, 9) == pytest.approx(2 / 3)
+    # prefill: one profiled run against prefill_inner timed ones
+    assert share({"p": 6.0}, [pre], 3, 9) == pytest.approx(1 / 9)
+    # both, each weighed by its block's time; K processes timed, one profiled
+    assert share({"decode_b1": 6.0, "p": 2.0}, [dec, pre], 3, 9) == pytest.approx(
+        (6.0 * 2 / 3 + 2.0 / 9) / 8.0)
+    assert share({"decode_b1": 6.0}, [dec], 3, 9, procs=4) == pytest.approx(2 / 12)
+    # no block timed yet: the decode estimate
+    assert share({}, [dec, pre], 3, 9) == pytest.approx(2 / 3)
 
 
 # ---- tensor parallelism: the ranks' kernels and counters ------------------------------------

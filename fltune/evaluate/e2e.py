@@ -1163,7 +1163,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             reps_done += int(measured)
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
                     time.monotonic(), time.monotonic() - t_rep, deadline,
-                    kernel_reps if kernel_profile else 0, inner * n_procs):
+                    kernel_reps if kernel_profile else 0,
+                    profile_share(block_s, scenarios, inner, prefill_inner, n_procs)):
                 time_limit_record()
                 progress("time_limit", reps_done=reps_done, reps=reps)
                 break
@@ -1411,18 +1412,35 @@ def start_waves(arms: list) -> list:
 
 
 def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
-              inner: int) -> bool:
+              profile_share: float) -> bool:
     """Whether one more repetition (as long as the last, ``rep_s``) and then the kernel
-    profile still end before ``deadline``. A profile round runs each (arm, scenario) once
-    or twice (decode: a long and a one-token run) under the profiler, against ``inner``
-    runs per (arm, scenario) in a repetition: estimated at ``2 / inner`` of a repetition
-    (the profiler's own cost is covered by what a repetition spends beyond its runs: the
-    probe gate's retakes and waits). Until session 15 this was doubled, and on the H200
-    Qwen3-0.6B's served-DB run stopped after 3 of 8 repetitions with 135 s of its 390 s
-    unused: three profile rounds had cost about one repetition, not the four estimated.
-    A round that no longer fits is still skipped (``out_of_time`` before each)."""
-    profile_s = kernel_rounds * rep_s * (2.0 / max(1, inner))
+    profile (``kernel_rounds`` rounds, each ``profile_share`` of a repetition:
+    :func:`profile_share`) still end before ``deadline``. Until session 15 the share was
+    doubled, and on the H200 Qwen3-0.6B's served-DB run stopped after 3 of 8 repetitions
+    with 135 s of its 390 s unused: three profile rounds had cost about one repetition, not
+    the four estimated. A round that no longer fits is still skipped (``out_of_time``
+    before each)."""
+    profile_s = kernel_rounds * rep_s * profile_share
     return _block_fits(now, rep_s + profile_s, deadline)
+
+
+def profile_share(block_s: dict, scenarios: list, inner: int, prefill_inner: int,
+                  procs: int = 1) -> float:
+    """What one kernel-profile round costs, as a share of a repetition: a round runs each
+    arm's first process once per scenario under the profiler, decode as two runs (a long
+    and a one-token one) and prefill as one, where a repetition ran ``inner`` (decode) or
+    ``prefill_inner`` (prefill) runs in each of the arm's ``procs`` processes; each
+    scenario weighed by its last block's duration (``block_s``). The profiler's own cost
+    is covered by what a repetition spends beyond its runs (the probe gate's retakes and
+    waits). Session 33 noted the one-figure estimate before (``2 / inner`` of a repetition)
+    ignored prefill's 3x runs and so stopped prefill runs early."""
+    total = sum(block_s.get(sc.name, 0.0) for sc in scenarios)
+    if total <= 0:
+        return 2.0 / max(1, inner * procs)
+    cost = sum(block_s.get(sc.name, 0.0)
+               * (2.0 / inner if sc.kind == "decode" else 1.0 / prefill_inner)
+               for sc in scenarios)
+    return cost / (total * procs)
 
 
 def read_counters(path: str | None):
