@@ -247,6 +247,91 @@ def test_rule_picks_the_best_passing_value_or_keeps_the_default():
     assert "mixed" in reason and "tie" in reason and "unmeasured" in reason
 
 
+# ---- the largest CUDA-graph capture size: a host-side choice ------------------------------
+
+def test_cudagraph_max_size_lists_sizes_above_vllms_ceiling_only_where_graphs_run(monkeypatch):
+    """No CUDA graphs on the CPU: nothing offered, and said why. On a GPU the sizes above
+    vLLM's default ceiling (512 on Hopper, 1024 on Blackwell) up to the engine's token
+    budget (the capability read from the device; here stubbed)."""
+    from fltune.evaluate import engine_pick as ep
+
+    cpu = ep.available("cudagraph_max_size", str(FIXTURE), "cpu")
+    assert cpu.values == [] and "no CUDA graphs" in cpu.excluded["2048"]
+    monkeypatch.setattr(ep, "_cuda_capability", lambda: (9, 0))
+    hopper = ep.available("cudagraph_max_size", str(FIXTURE), "cuda")
+    assert (hopper.values, hopper.default) == (["1024", "2048", "4096", "8192"], "512")
+    monkeypatch.setattr(ep, "_cuda_capability", lambda: (10, 0))
+    blackwell = ep.available("cudagraph_max_size", str(FIXTURE), "cuda")
+    assert (blackwell.values, blackwell.default) == (["2048", "4096", "8192"], "1024")
+
+
+def test_cudagraph_max_size_overlay_flag_and_the_users_own_setting():
+    from fltune.evaluate import e2e
+    from fltune.evaluate import engine_pick as ep
+
+    cg = ep.CHOICES["cudagraph_max_size"]
+    assert cg.effect == "host" and ep.CHOICES["attention_backend"].effect == "kernel"
+    cc = {"dtype": "bfloat16", "compilation_config": {"compile_ranges_endpoints": [512]}}
+    assert e2e.merge_engine(cc, cg.overlay("2048"))["compilation_config"] == {
+        "compile_ranges_endpoints": [512], "max_cudagraph_capture_size": 2048}
+    assert e2e.merge_engine(cc, cg.overlay("auto")) == cc
+    with pytest.raises(ValueError, match="not a token count"):
+        cg.overlay("big")
+    assert cg.serve_args("2048") == ["--compilation-config.max_cudagraph_capture_size", "2048"]
+    assert cg.user_setting(["-cc.max_cudagraph_capture_size=4096"])
+    assert cg.user_setting(["--compilation-config.cudagraph_capture_sizes", "[1, 2, 4]"]) == \
+        "--compilation-config.cudagraph_capture_sizes [1, 2, 4]"
+    assert cg.user_setting(["-cc", '{"cudagraph_mode": "PIECEWISE"}'])
+    assert cg.user_setting(["--model", "m", "--max-num-seqs", "8"]) is None
+
+
+def _kpt(arm, scn, wall, kernel):
+    """A point with a wall CI and a kernel CI (three profiled rounds)."""
+    return {**_pt(arm, scn, *wall), "kernel_ci_low": kernel[0], "kernel_ci_high": kernel[1],
+            "kernel_ratio_median": sum(kernel) / 2, "kernel_n": 3,
+            "kernel_us_arm": 5500.0, "kernel_us_vanilla": 5500.0}
+
+
+def test_a_host_side_choice_is_judged_by_wall_time_with_the_kernel_time_a_guard():
+    """Captured graphs launch the same kernels: the kernel time ties and the wall time
+    moves. Judged as routing is (kernel time decides where profiled), that is a tie and
+    vLLM's default stays; judged by wall time, the value is picked. The kernel total still
+    guards: a value whose kernels grew beyond the tolerance is not picked on wall time."""
+    from fltune.evaluate.engine_pick import judge
+
+    pts = [_kpt("a", "decode_b1", (0.99, 1.01), (0.998, 1.002)),
+           _kpt("a", "prefill_2048", (1.8, 2.2), (0.997, 1.001))]
+    assert judge({"2048": pts})[:2] == ("default", "auto")
+    d, v, reason, _ = judge({"2048": pts}, by_wall=True)
+    assert (d, v) == ("pick", "2048") and "prefill_2048 CI [1.800, 2.200]" in reason
+    grown = [{**p, "kernel_us_arm": 6000.0} for p in pts]
+    d, _, reason, _ = judge({"2048": grown}, by_wall=True)
+    assert d == "default" and "kernel time per step above vanilla's" in reason
+
+
+def test_the_adjudication_of_a_host_side_choice_stores_that_wall_time_decided(tmp_path):
+    from fltune.evaluate import e2e, engine_pick
+
+    db = tmp_path / "cg.db"
+    _cal_db(db)
+
+    def measure(model, arms, scenarios, **kw):
+        pts = [_kpt(a.name, s.name, (1.3, 1.5) if s.kind == "prefill" else (0.99, 1.01),
+                    (0.998, 1.002)) for a in arms if a.name != "vanilla" for s in scenarios]
+        assert [a.engine for a in arms] == [{}, {"compilation_config": {
+            "max_cudagraph_capture_size": 2048}}]
+        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9),
+            e2e.Scenario("prefill_2048", "prefill", 1, 2048, 1)]
+    doc = engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "cudagraph_max_size", ["2048"], device_type="cpu",
+        scenarios=scen, reps=10, warmup=1, command="test", measure=measure,
+        compile_aa=False)
+    assert (doc["decision"], doc["value"]) == ("pick", "2048")
+    assert doc["evidence"]["judged_by"].startswith("wall time")
+
+
 # ---- adjudication (recorded instrument), DB -> manifest -> serve, report ------------------
 
 def _cal_db(path: Path) -> None:

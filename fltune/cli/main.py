@@ -1121,7 +1121,8 @@ def _add_verify(sub) -> None:
                    help="measure an engine-wide vLLM setting instead: one arm per value "
                         "against vLLM's own default, the pick stored in the DB (repeat for "
                         "several). NAME: attention_backend, gdn_prefill_backend, "
-                        "moe_backend, linear_backend, allreduce_rms_fusion (TP > 1); "
+                        "moe_backend, linear_backend, allreduce_rms_fusion (TP > 1), "
+                        "cudagraph_max_size (judged by wall time); "
                         "values default to those this vLLM "
                         "offers on this device for the model")
     g.add_argument("--list-values", action="store_true",

