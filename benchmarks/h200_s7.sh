@@ -44,6 +44,9 @@
 #                run it first on a fresh machine, before anything uses vLLM's default GDN.
 #   PHASE=gdnpick  vLLM's GDN prefill kernel picked by model step (`fltune adjudicate
 #                --engine-choice gdn_prefill_backend=triton,flashinfer`) against vanilla `auto`;
+#                CHOICE=cudagraph_max_size=2048,8192 the largest CUDA-graph capture size instead
+#                (judged by wall time; FLTUNE_E2E_PROCS=K processes per arm, COMPILE_AA=off
+#                leaves out the compile A/A arm's compiles);
 #                PHASE=fijit also races the GDN ops (calibrate) into lin.db after the build.
 #   PHASE=q06    Qwen3-0.6B's `linear` calibrated into the shipped DB's copy (/tmp/s7/lin.db),
 #                then adjudicated per token range with the call's remaining time
@@ -328,6 +331,7 @@ gdnpick) {
     timeout ${TIMEOUT:-450} python3 -m fltune adjudicate \
     --model "$P" --db $DB --engine-choice "${CHOICE:-gdn_prefill_backend=triton,flashinfer}" \
     --reps ${REPS:-5} --warmup 1 --scenarios "${SCENARIOS:-decode_b1,prefill_2048,prefill_8192}" \
+    ${COMPILE_AA:+--compile-aa $COMPILE_AA} \
     --out "$W/adj" --json > "$W/pick.json"; echo "adjudicate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/engine-wide/,$p' | head -30
   [ -f "$W/adj/e2e-raw.json" ] && python3 benchmarks/probe_check.py "$W/adj/e2e-raw.json" | tee "$W/probe-check.txt"
