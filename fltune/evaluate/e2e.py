@@ -199,7 +199,8 @@ def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
         xs = paired_ratios(base, arm, bsel, asel, rng.choices(reps, k=len(reps)))
         if xs:
             meds.append(statistics.median(xs))
-    return (*_percentile_interval(med, sorted(meds), confidence), ratios)
+    # (every draw empty only where each process ran in a repetition of its own)
+    return (*_percentile_interval(med, sorted(meds) or [med], confidence), ratios)
 
 
 def process_offsets(table: dict) -> list:
