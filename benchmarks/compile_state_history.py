@@ -22,6 +22,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fltune.evaluate.e2e import samples_by_process  # noqa: E402
 from fltune.integrations.vllm.e2e_worker import compile_start_state  # noqa: E402
 
 SCENARIOS = ("decode_b1", "decode_b16", "decode_b64", "prefill_2048", "prefill_8192")
@@ -61,7 +62,8 @@ def rows(root: str):
         vanillas = [n for n, a in arms.items() if n != base and not a.get("engine")
                     and not any(str(k).startswith("FLTUNE_") for k in (a.get("env") or {}))]
         by = defaultdict(dict)
-        for s in d.get("samples", []):
+        # each worker process its own arm (``--procs``), as ``arms`` names them
+        for s in samples_by_process(d.get("samples", [])):
             by[(s["scenario"], s["rep"])][s["arm"]] = s["time_s"]
         where = os.path.dirname(f)
 

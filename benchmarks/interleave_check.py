@@ -43,8 +43,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fltune.evaluate.e2e import (Scenario, bootstrap_ci,  # noqa: E402
-                                 compute_points, fast_level_estimate, replica_name,
-                                 run_estimates, step_estimate)
+                                 compute_points, fast_level_estimate, run_estimates,
+                                 samples_by_process, step_estimate)
 
 
 def load(path: str) -> dict:
@@ -79,17 +79,11 @@ def ci(ratios: list) -> dict | None:
             "half_width_pct": round(50 * (hi - lo) / med, 2), "n": len(ratios)}
 
 
-def by_process(samples: list) -> list:
-    """The samples with each worker process as an arm of its own (``vanilla``,
-    ``vanilla.p2``, ...: ``fltune bench --e2e --procs``), so every process is read against
-    the baseline's first one."""
-    return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))} for s in samples]
-
-
 def analyse(raw: dict) -> list:
     base = raw.get("baseline", "vanilla")
     out = []
-    samples = by_process(raw["samples"])
+    # every process read against the baseline's first one
+    samples = samples_by_process(raw["samples"])
     for sd in raw["scenarios"]:
         sc = Scenario(**sd)
         smp = [s for s in samples if s["scenario"] == sc.name]
@@ -199,11 +193,14 @@ def main(argv=None) -> int:
         arm_points = compute_points(smp, scs, names, raw.get("baseline", "vanilla"))
         for p in arm_points:
             off = p.get("process_offsets_pct") or {}
+            def fig(m, lo, hi):
+                if p.get(m) is None:
+                    return "—"
+                return (f"{p[m]:.3f} [{p[lo]:.3f}, {p[hi]:.3f}] "
+                        f"±{50 * (p[hi] - p[lo]) / p[m]:.1f}%")
             print(f"{p['scenario']:>14} {p['arm']:>11}  {procs} processes a side: median run "
-                  f"{p['ratio_median']:.3f} [{p['ci_low']:.3f}, {p['ci_high']:.3f}] "
-                  f"±{50 * (p['ci_high'] - p['ci_low']) / p['ratio_median']:.1f}%  fast level "
-                  f"{p['fast_ratio_median']:.3f} [{p['fast_ci_low']:.3f}, {p['fast_ci_high']:.3f}]"
-                  f" ±{50 * (p['fast_ci_high'] - p['fast_ci_low']) / p['fast_ratio_median']:.1f}%"
+                  f"{fig('ratio_median', 'ci_low', 'ci_high')}  fast level "
+                  f"{fig('fast_ratio_median', 'fast_ci_low', 'fast_ci_high')}"
                   f"  process offsets (median run) arm {off.get('arm')} baseline "
                   f"{off.get('vanilla')} %")
     if a.json:

@@ -31,7 +31,7 @@ import json
 import statistics
 import sys
 
-from fltune.evaluate.e2e import Scenario, bootstrap_ci, step_estimate
+from fltune.evaluate.e2e import Scenario, bootstrap_ci, samples_by_process, step_estimate
 from fltune.integrations.vllm.e2e_worker import SpeedFloor
 
 
@@ -68,7 +68,9 @@ def main(argv=None):
         raw = json.load(f)
     base = raw["baseline"]
     scen = {s["name"]: Scenario(**s) for s in raw["scenarios"]}
-    samples = [s for s in raw["samples"] if all("probe_us" in h for h in s.get("host", []))]
+    # each worker process its own arm (``--procs``: vanilla, vanilla.p2, ...)
+    samples = [s for s in samples_by_process(raw["samples"])
+               if all("probe_us" in h for h in s.get("host", []))]
     if not samples:
         sys.exit("no sample carries probe_us (a raw file from before the probe)")
     floors = {}

@@ -351,18 +351,26 @@ def test_a_process_offset_widens_the_ci_where_repetitions_alone_would_call_it_an
     assert p0["ci_high"] - p0["ci_low"] < 0.01
 
 
-def test_a_process_missing_from_a_repetition_leaves_the_others_paired():
-    """A worker that died mid-run (its later samples missing): each repetition takes the
-    processes it has; a repetition with none on one side makes no pair."""
-    samples = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]}, reps=4)
+def test_a_process_that_died_mid_run_leaves_the_whole_run():
+    """A worker that died mid-run (its later samples missing) leaves every repetition, so
+    each repetition's mean is over the same processes (its offset would otherwise enter the
+    later ones as a step); a repetition with no process on one side makes no pair."""
+    samples = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.03]}, reps=4)
     samples = [s for s in samples if not (s["arm"] == "aa" and s["replica"] == 2
                                           and s["rep"] >= 2)
                and not (s["arm"] == "aa" and s["rep"] == 3)]
     base = e2e.rep_table(samples, "d", "vanilla")
     arm = e2e.rep_table(samples, "d", "aa")
     assert sorted(arm) == [0, 1, 2] and sorted(arm[2]) == [1]
+    assert e2e.complete_processes(arm) == {r: {1: t[1]} for r, t in arm.items()}
+    assert e2e.complete_processes(base) == base
     med, lo, hi, ratios = e2e.hierarchical_ci(base, arm)
     assert len(ratios) == 3 and lo <= med <= hi
+    # aa's second (3 % slower) process is out of every repetition, its first ones too
+    assert ratios == e2e.paired_ratios(base, {r: {1: t[1]} for r, t in arm.items()})
+    [p] = e2e.compute_points(samples, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
+                             "vanilla")
+    assert (p["procs_arm"], p["procs_vanilla"], p["n"]) == (1, 2, 3)
 
 
 def test_replica_workers_are_named_and_started_after_the_first_wave():

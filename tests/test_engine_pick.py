@@ -282,6 +282,10 @@ def test_cudagraph_max_size_overlay_flag_and_the_users_own_setting():
     assert cg.user_setting(["--compilation-config.cudagraph_capture_sizes", "[1, 2, 4]"]) == \
         "--compilation-config.cudagraph_capture_sizes [1, 2, 4]"
     assert cg.user_setting(["-cc", '{"cudagraph_mode": "PIECEWISE"}'])
+    # vLLM's own top-level flags (with the dotted one beside them vLLM would not start)
+    assert cg.user_setting(["--max-cudagraph-capture-size", "1024"]) == \
+        "--max-cudagraph-capture-size 1024"
+    assert cg.user_setting(["--cudagraph_capture_sizes=[1,2,4]"])
     assert cg.user_setting(["--model", "m", "--max-num-seqs", "8"]) is None
 
 
@@ -324,12 +328,23 @@ def test_the_adjudication_of_a_host_side_choice_stores_that_wall_time_decided(tm
 
     scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9),
             e2e.Scenario("prefill_2048", "prefill", 1, 2048, 1)]
+    # 16384 is above the engine's token budget: vLLM would capture up to 8192 instead, so
+    # its arm would be another value's twin; it is left out and said
     doc = engine_pick.adjudicate_engine(
-        str(db), str(FIXTURE), "cudagraph_max_size", ["2048"], device_type="cpu",
+        str(db), str(FIXTURE), "cudagraph_max_size", ["2048", "16384"], device_type="cpu",
         scenarios=scen, reps=10, warmup=1, command="test", measure=measure,
-        compile_aa=False)
-    assert (doc["decision"], doc["value"]) == ("pick", "2048")
+        compile_aa=False, engine={"max_num_batched_tokens": 8192})
+    assert (doc["decision"], doc["value"], doc["values"]) == ("pick", "2048", ["2048"])
     assert doc["evidence"]["judged_by"].startswith("wall time")
+    warn = " ".join(doc["warnings"])
+    assert "16384 not measured: above this engine's max_num_batched_tokens (8192)" in warn
+    # judged by wall time with neither the compile A/A nor several processes: said
+    assert "neither the compile A/A arm" in warn
+    # the CPU engine's budget (256 tokens) takes no value at all: refused before any run
+    with pytest.raises(ValueError, match="no value this engine can take"):
+        engine_pick.adjudicate_engine(
+            str(db), str(FIXTURE), "cudagraph_max_size", ["2048"], device_type="cpu",
+            scenarios=scen, measure=lambda *a, **k: pytest.fail("must not measure"))
 
 
 # ---- adjudication (recorded instrument), DB -> manifest -> serve, report ------------------

@@ -183,6 +183,7 @@ def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
     single processes can then read 1-2 % apart with a CI clear of 1 (session 33's H100
     run, session 28's H200 runs). With one process per side nothing is drawn at the first
     level and this is :func:`bootstrap_ci` of the paired ratios, draw for draw."""
+    base, arm = complete_processes(base), complete_processes(arm)
     reps = sorted(r for r in base if r in arm)
     ratios = paired_ratios(base, arm, reps=reps)
     bp = sorted({j for r in reps for j in base[r]})
@@ -201,6 +202,19 @@ def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
             meds.append(statistics.median(xs))
     # (every draw empty only where each process ran in a repetition of its own)
     return (*_percentile_interval(med, sorted(meds) or [med], confidence), ratios)
+
+
+def complete_processes(table: dict) -> dict:
+    """``table`` (:func:`rep_table`) kept to the processes present in every repetition it
+    has, where at least one is: a process that died mid-run (or one whose worker failed a
+    call) leaves the whole run, so that every repetition's mean is over the same processes
+    and its offset does not enter the later repetitions as a step."""
+    if not table:
+        return table
+    keep = set.intersection(*(set(t) for t in table.values()))
+    if not keep or all(set(t) == keep for t in table.values()):
+        return table
+    return {r: {j: x for j, x in t.items() if j in keep} for r, t in table.items()}
 
 
 def process_offsets(table: dict) -> list:
@@ -1171,6 +1185,16 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 break
         reps = reps_done
 
+        def profiled() -> dict:
+            """arm -> the process its profiles run in: device time and host calls need one
+            per arm, its lowest-numbered live process (the first, unless that one died)."""
+            out: dict = {}
+            for n in procs:
+                base, j = replica_of[n]
+                if base not in out or j < replica_of[out[base]][1]:
+                    out[base] = n
+            return out
+
         # ---- kernel profile -----------------------------------------------------------
         kernels: dict = {}
         if kernel_profile and deadline and ("cut" in host.get("time_limit", {})
@@ -1188,21 +1212,25 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                         # at the limit: no further round, in this scenario or the next
                         time_limit_record().setdefault("kernel_rounds", {})[sc.name] = r
                         break
-                    # device time: one process per arm (its first) is enough
-                    live = [n for n in procs if replica_of[n][1] == 1]
-                    order = live[r % len(live):] + live[:r % len(live)] if live else []
-                    for name in order:
+                    # (each arm's figures under its own name, whichever process ran them)
+                    live = profiled()
+                    arms_now = list(live)
+                    order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
+                    for arm_name in order:
+                        name = live[arm_name]
                         try:
                             res = measured_call(name, cmd="profile", scenario=asdict(sc))
                             res.pop("ok", None)
                         except WorkerError as e:
                             res = {"error": str(e)}
+                        if name != arm_name:
+                            res["process"] = name
                         slot = kernels.setdefault(sc.name, {})
-                        if name not in slot:
-                            slot[name] = dict(res, rounds_us=[])
+                        if arm_name not in slot:
+                            slot[arm_name] = dict(res, rounds_us=[])
                         us = res.get("kernel_us_per_step")
                         if us is not None:
-                            slot[name]["rounds_us"].append(us)
+                            slot[arm_name]["rounds_us"].append(us)
                 progress("profiled", scenario=sc.name)
         host_profiles: dict = {}
         if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
@@ -1211,12 +1239,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     time_limit_record()["host_profile_cut"] = sc.name
                     break
                 got = {}
-                for name in [n for n in procs if replica_of[n][1] == 1]:
+                for arm_name, name in profiled().items():
                     try:
-                        got[name] = measured_call(name, cmd="hostprof", scenario=asdict(sc))
-                        got[name].pop("ok", None)
+                        got[arm_name] = measured_call(name, cmd="hostprof",
+                                                      scenario=asdict(sc))
+                        got[arm_name].pop("ok", None)
                     except WorkerError as e:
-                        got[name] = {"error": str(e)}
+                        got[arm_name] = {"error": str(e)}
                 host_profiles[sc.name] = {
                     "arms": got, "extra_over_baseline": {
                         n: host_extra(got[n], got.get(baseline)) for n in got if n != baseline}}
@@ -1546,11 +1575,11 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
     kernels = kernels or {}
     points = []
     for sc in scenarios:
-        base = rep_table(samples, sc.name, baseline)
+        base = complete_processes(rep_table(samples, sc.name, baseline))
         for name in arm_names:
             if name == baseline:
                 continue
-            arm = rep_table(samples, sc.name, name)
+            arm = complete_processes(rep_table(samples, sc.name, name))
             med, lo, hi, ratios = hierarchical_ci(base, arm)
             if not ratios:
                 continue
@@ -1641,6 +1670,14 @@ def replica_name(arm: str, replica: int) -> str:
     the arm's name (its logs, counters and profiles read as with one process), the others
     ``ARM.pN``."""
     return arm if replica == 1 else f"{arm}.p{replica}"
+
+
+def samples_by_process(samples: list) -> list:
+    """The samples with each worker process as an arm of its own (``vanilla``,
+    ``vanilla.p2``, ...; ``run_e2e(procs=)``): what a reading per process needs (the
+    scripts that put every run on one time line, or compare A/A processes); a sample from
+    before ``procs`` is its arm's first process and keeps its name."""
+    return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))} for s in samples]
 
 
 def replica_index(names: list, procs: int) -> list:

@@ -115,6 +115,9 @@ class EngineChoice:
     #: by kernel time where the profile has it) or "host" (how the same kernels are
     #: launched: judged by the wall time, the kernel time a guard; :func:`judge`)
     effect: str = "kernel"
+    #: ``(value, engine arguments) -> reason or None``: a value this run's engine cannot
+    #: take as asked (vLLM would silently replace it, so its arm would be vanilla's twin)
+    refuse: Optional[Callable] = None
 
     def serve_args(self, value: str) -> list:
         """The ``vllm serve`` arguments that set ``value``."""
@@ -421,6 +424,16 @@ def _cudagraph_overlay(v: str) -> dict:
     return {"compilation_config": {"max_cudagraph_capture_size": n}}
 
 
+def _cudagraph_refuse(v: str, engine: dict) -> Optional[str]:
+    """A capture size above the engine's ``max_num_batched_tokens``: vLLM cuts it down to
+    that (a warning in its log), so the arm would run another value than its name."""
+    top = engine.get("max_num_batched_tokens")
+    if v != DEFAULT and top and int(v) > int(top):
+        return (f"above this engine's max_num_batched_tokens ({top}): vLLM would capture "
+                f"up to {top} instead")
+    return None
+
+
 CHOICES = {c.name: c for c in (
     EngineChoice("attention_backend", "vLLM's attention backend (FLASH_ATTN, FLASHINFER, "
                  "TRITON_ATTN, ...)", "--attention-backend", _top("attention_backend"),
@@ -445,12 +458,16 @@ CHOICES = {c.name: c for c in (
     EngineChoice("cudagraph_max_size", "the largest CUDA-graph capture size in tokens "
                  "(vLLM: 512 on Hopper; 1024, 2048, 4096, 8192)",
                  "--compilation-config.max_cudagraph_capture_size", _cudagraph_overlay,
+                 # vLLM's own top-level flags too: given beside the dotted one, vLLM stops
+                 # at start ("mutually exclusive"); its parser takes either spelling
                  ("--compilation-config.max_cudagraph_capture_size",
                   "-cc.max_cudagraph_capture_size",
                   "--compilation-config.cudagraph_capture_sizes",
-                  "-cc.cudagraph_capture_sizes"),
+                  "-cc.cudagraph_capture_sizes",
+                  "--max-cudagraph-capture-size", "--max_cudagraph_capture_size",
+                  "--cudagraph-capture-sizes", "--cudagraph_capture_sizes"),
                  ((("--compilation-config", "-cc"), None),), _list_cudagraph,
-                 effect="host"),
+                 effect="host", refuse=_cudagraph_refuse),
 )}
 
 
@@ -576,6 +593,14 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     if values is None:
         values = list(listing.values)
     values = [v for v in dict.fromkeys(values) if v != DEFAULT]
+    refused = {}
+    if ch.refuse:
+        run_engine = e2e.merge_engine(e2e.default_engine(device_type, served)[0], engine)
+        refused = {v: r for v in values if (r := ch.refuse(v, run_engine))}
+        values = [v for v in values if v not in refused]
+    if refused and not values:
+        raise ValueError(f"{choice}: no value this engine can take as asked ("
+                         + "; ".join(f"{v}: {r}" for v, r in refused.items()) + ")")
     if not values:
         why = "; ".join((listing.notes if listing else []) + [
             f"{k}: {r}" for k, r in (listing.excluded if listing else {}).items()])
@@ -597,7 +622,13 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     got = getattr(result, "points", result)
     per_value = {v: [p for p in got if p.get("arm") == arm_name(choice, v)] for v in values}
     floors, compile_evidence = model_step.compile_aa_outcome(result, scenarios)
-    gaps = compile_evidence["missing"] if compile_aa else []
+    gaps = list(compile_evidence["missing"]) if compile_aa else []
+    gaps += [f"{choice}={v} not measured: {r}" for v, r in refused.items()]
+    if ch.effect == "host" and not compile_aa and getattr(result, "procs", 1) <= 1:
+        gaps.append(f"{choice} is judged by wall time, and this run had neither the compile "
+                    f"A/A arm (its wall floor) nor several processes per arm "
+                    f"(FLTUNE_E2E_PROCS): an offset of one process or one compile could pass "
+                    f"for the effect")
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
     me = devmod.current(device_type)
