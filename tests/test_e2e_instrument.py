@@ -345,6 +345,15 @@ def test_a_process_offset_widens_the_ci_where_repetitions_alone_would_call_it_an
     arm = e2e.rep_table(samples, "d", "aa")
     assert p2["ratios"][0] == pytest.approx(
         (base[0][1] * base[0][2]) ** 0.5 / (arm[0][1] * arm[0][2]) ** 0.5)
+    # the table says how far each process sat from its arm
+    from fltune.cli.render import render_e2e
+    from rich.console import Console
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {}, "arms": {},
+                "points": [{k: p2.get(k) for k in e2e.POINT_KEYS}]}, console=con)
+    line = [x for x in con.export_text().splitlines() if x.startswith("processes d aa:")]
+    v = off["vanilla"]
+    assert line and f"vanilla: {v[0]:+.1f}%, {v[1]:+.1f}%" in line[0], con.export_text()
     flat = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]})
     [p0] = e2e.compute_points(flat, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
                               "vanilla")
