@@ -340,6 +340,12 @@ def test_the_adjudication_of_a_host_side_choice_stores_that_wall_time_decided(tm
     assert "16384 not measured: above this engine's max_num_batched_tokens (8192)" in warn
     # judged by wall time with neither the compile A/A nor several processes: said
     assert "neither the compile A/A arm" in warn
+    # a value that is no token count: refused before any run, naming it
+    with pytest.raises(ValueError, match="'big' is not a token count"):
+        engine_pick.adjudicate_engine(
+            str(db), str(FIXTURE), "cudagraph_max_size", ["big"], device_type="cpu",
+            scenarios=scen, engine={"max_num_batched_tokens": 8192},
+            measure=lambda *a, **k: pytest.fail("must not measure"))
     # the CPU engine's budget (256 tokens) takes no value at all: refused before any run
     with pytest.raises(ValueError, match="no value this engine can take"):
         engine_pick.adjudicate_engine(

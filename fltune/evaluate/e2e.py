@@ -1268,10 +1268,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         if by_proc is not None:
             info["counters_by_process"] = by_proc
 
-    for name, info in arms_info.items():
-        if n_procs > 1:
-            info["arm"], info["replica"] = replica_of[name]
     if n_procs > 1:
+        for name, info in arms_info.items():
+            info["arm"], info["replica"] = replica_of[name]
         notes = notes + [PROCESS_NOTE.format(procs=n_procs)]
     points = compute_points(samples, scenarios, arm_names, baseline, kernels)
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
@@ -1456,8 +1455,8 @@ def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
 
 def profile_share(block_s: dict, scenarios: list, inner: int, prefill_inner: int,
                   procs: int = 1) -> float:
-    """What one kernel-profile round costs, as a share of a repetition: a round runs each
-    arm's first process once per scenario under the profiler, decode as two runs (a long
+    """What one kernel-profile round costs, as a share of a repetition: a round runs one
+    process per arm once per scenario under the profiler, decode as two runs (a long
     and a one-token one) and prefill as one, where a repetition ran ``inner`` (decode) or
     ``prefill_inner`` (prefill) runs in each of the arm's ``procs`` processes; each
     scenario weighed by its last block's duration (``block_s``). The profiler's own cost
@@ -1706,8 +1705,8 @@ PROCESS_NOTE = ("{procs} worker processes per arm, each timed in every repetitio
                 "time per repetition is the geometric mean of its processes', and the CI "
                 "resamples processes as well as repetitions, so an offset that belongs to "
                 "one process (the same in every repetition) widens the CI instead of "
-                "reading as an effect; the kernel and host profiles ran in each arm's first "
-                "process")
+                "reading as an effect; the kernel and host profiles ran in one process per "
+                "arm (its lowest-numbered live one)")
 
 
 def parse_arm(text: str) -> Arm:

@@ -428,7 +428,11 @@ def _cudagraph_refuse(v: str, engine: dict) -> Optional[str]:
     """A capture size above the engine's ``max_num_batched_tokens``: vLLM cuts it down to
     that (a warning in its log), so the arm would run another value than its name."""
     top = engine.get("max_num_batched_tokens")
-    if v != DEFAULT and top and int(v) > int(top):
+    if v == DEFAULT or not top:
+        return None
+    # the overlay's own parse: a value that is no token count gets its message
+    n = _cudagraph_overlay(v)["compilation_config"]["max_cudagraph_capture_size"]
+    if n > int(top):
         return (f"above this engine's max_num_batched_tokens ({top}): vLLM would capture "
                 f"up to {top} instead")
     return None
