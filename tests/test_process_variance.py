@@ -1,0 +1,59 @@
+"""benchmarks/process_variance.py: the process component of an A/A run's spread (two-way
+analysis of variance, process x repetition) read back from synthetic raw samples whose
+process offsets are known, and its F tail probability against tabulated values."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "process_variance.py"
+spec = importlib.util.spec_from_file_location("process_variance", SCRIPT)
+pv = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(pv)
+
+
+def _samples(offsets: list, reps: int, noise: float, seed: int = 3) -> list:
+    """One scenario; process i of arm vanilla/aa sits at exp(offsets[i]) of the base time,
+    every repetition shares a drift, every sample has its own lognormal noise."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(reps):
+        drift = rng.gauss(0, 0.01)
+        for i, off in enumerate(offsets):
+            arm, rep_ = ("vanilla", i // 2 + 1) if i % 2 == 0 else ("aa", i // 2 + 1)
+            out.append({"scenario": "decode_b1", "arm": arm, "replica": rep_, "rep": r,
+                        "time_s": 0.002 * math.exp(off + drift + rng.gauss(0, noise))})
+    return out
+
+
+def test_f_tail_matches_tables():
+    assert abs(pv.f_sf(4.10, 2, 10) - 0.05) < 0.002       # F(2, 10) 95th percentile
+    assert abs(pv.f_sf(2.25, 6, 60) - 0.05) < 0.003       # F(6, 60) 95th percentile
+    assert abs(pv.f_sf(1.0, 5, 5) - 0.5) < 1e-6            # symmetric case
+
+
+def test_offsets_are_found_and_noise_alone_is_not_an_offset():
+    offs = [0.02, -0.02, 0.01, -0.01, 0.0, 0.015, -0.015, 0.005]
+    c = pv.components(_samples(offs, reps=30, noise=0.005))["decode_b1"]
+    true_sd = 100 * (sum((o - sum(offs) / 8) ** 2 for o in offs) / 7) ** 0.5
+    assert c["processes"] == 8 and c["reps"] == 30
+    assert abs(c["sigma_p_pct"] - true_sd) < 0.35 and c["p_value"] < 1e-6
+    flat = pv.components(_samples([0.0] * 8, reps=30, noise=0.005, seed=5))["decode_b1"]
+    assert flat["sigma_p_pct"] < 0.3 and flat["p_value"] > 0.001
+    # the shared drift of a repetition is not a process offset
+    assert flat["rep_effect_sd_pct"] > 0.5
+
+
+def test_cli_prints_and_writes(tmp_path):
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"samples": _samples([0.01, -0.01, 0.0, 0.0], 10, 0.004)}))
+    out = tmp_path / "pv.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), str(raw), "--json", str(out)],
+                       capture_output=True, text=True, check=True)
+    assert "decode_b1" in p.stdout and "sigma_p" in p.stdout
+    assert json.loads(out.read_text())["scenarios"]["decode_b1"]["processes"] == 4
