@@ -512,6 +512,9 @@ linbench) {
   # how far each process sat from its arm (process_offsets_pct; session 33: one A/A process
   # read ~1 % faster than vanilla at every point of a run). Until session 34 PROCS=K added
   # K-2 A/A arms (aa2, aa3, ...) instead.
+  # Memory (session 35, H100): an engine of Qwen3-0.6B holds ~9.4 GiB, and vLLM starts one
+  # only with 0.2 x the card free; NOCAL=1 PROCS=4 (8 engines) fitted, but vanilla's restart
+  # to a loaded engine came after the other seven and was refused: WARMONLY=1 first.
   AAARMS="--arm aa=vanilla"
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
