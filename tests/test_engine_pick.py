@@ -311,6 +311,12 @@ def test_a_host_side_choice_is_judged_by_wall_time_with_the_kernel_time_a_guard(
     grown = [{**p, "kernel_us_arm": 6000.0} for p in pts]
     d, _, reason, _ = judge({"2048": grown}, by_wall=True)
     assert d == "default" and "kernel time per step above vanilla's" in reason
+    # where the wall time is measurably faster, more kernel time there is no veto (session
+    # 35: prefill 2048 2.005x in wall time, +2.3 % kernel time); at a tied point it still is
+    grown_fast = [pts[0], {**pts[1], "kernel_us_arm": 5630.0}]
+    assert judge({"2048": grown_fast}, by_wall=True)[:2] == ("pick", "2048")
+    grown_tied = [{**pts[0], "kernel_us_arm": 5630.0}, pts[1]]
+    assert judge({"2048": grown_tied}, by_wall=True)[0] == "default"
 
 
 def test_the_adjudication_of_a_host_side_choice_stores_that_wall_time_decided(tmp_path):
