@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from fltune.evaluate.e2e import samples_by_process
+
 
 def f_sf(f: float, d1: int, d2: int) -> float:
     """P(F > f) for F(d1, d2) by the regularised incomplete beta (no scipy here)."""
@@ -54,16 +56,16 @@ def components(samples: list, key: str = "time_s") -> dict:
     """Per scenario: processes P, repetitions R (those every process has), the spread of
     the processes' means, the residual SD, sigma_p and the F test, all as % of log time."""
     by = collections.defaultdict(dict)
-    for s in samples:
+    for s in samples_by_process(samples):      # each process an arm: vanilla, vanilla.p2, ...
         if s.get(key):
-            by[s["scenario"]][(s["arm"], s.get("replica") or 1, s["rep"])] = s[key]
+            by[s["scenario"]][(s["arm"], s["rep"])] = s[key]
     out = {}
     for sc, m in by.items():
-        procs = sorted({(a, r) for a, r, _ in m})
-        reps = sorted(k for k in {k[2] for k in m} if all((a, r, k) in m for a, r in procs))
+        procs = sorted({a for a, _ in m})
+        reps = sorted(k for k in {k for _, k in m} if all((a, k) in m for a in procs))
         if len(procs) < 2 or len(reps) < 2:
             continue
-        y = np.array([[math.log(m[(a, r, k)]) for k in reps] for a, r in procs])
+        y = np.array([[math.log(m[(a, k)]) for k in reps] for a in procs])
         p, r = y.shape
         g = y.mean()
         pm, rm = y.mean(1), y.mean(0)
@@ -77,8 +79,7 @@ def components(samples: list, key: str = "time_s") -> dict:
                    "sigma_p_pct": 100 * math.sqrt(max(0.0, (msp - msr) / r)),
                    "F": f, "p_value": f_sf(f, p - 1, (p - 1) * (r - 1)),
                    "rep_effect_sd_pct": 100 * float(rm.std(ddof=1)),
-                   "offsets_pct": {f"{a}.p{i}": round(100 * (v - g), 3)
-                                   for (a, i), v in zip(procs, pm)}}
+                   "offsets_pct": {a: round(100 * (v - g), 3) for a, v in zip(procs, pm)}}
     return out
 
 

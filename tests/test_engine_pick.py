@@ -317,6 +317,13 @@ def test_a_host_side_choice_is_judged_by_wall_time_with_the_kernel_time_a_guard(
     assert judge({"2048": grown_fast}, by_wall=True)[:2] == ("pick", "2048")
     grown_tied = [{**pts[0], "kernel_us_arm": 5630.0}, pts[1]]
     assert judge({"2048": grown_tied}, by_wall=True)[0] == "default"
+    # "measurably faster" as decide counts it: inside the A/A's wall floor the guard holds
+    from fltune.evaluate.model_step import Floors
+    both = [_kpt("a", "decode_b1", (1.1, 1.2), (0.998, 1.002)),
+            {**pts[1], "kernel_us_arm": 5630.0}]
+    assert judge({"2048": both}, by_wall=True)[:2] == ("pick", "2048")
+    assert judge({"2048": both}, floors=Floors(wall={"prefill_2048": 0.9}),
+                 by_wall=True)[0] == "default"
 
 
 def test_the_adjudication_of_a_host_side_choice_stores_that_wall_time_decided(tmp_path):

@@ -504,22 +504,23 @@ def available(choice: str, model: str, device_type: Optional[str] = None) -> Lis
 
 # ---- the decision --------------------------------------------------------------------------
 
-def wall_points(points: list) -> list:
+def wall_points(points: list, floors: Optional[dict] = None) -> list:
     """``points`` with their kernel CIs left out, so that :func:`model_step.decide` judges
     them by wall time (its rule without kernel CIs: some scenario measurably faster, none
     slower, and no kernel total above vanilla's beyond ``KERNEL_TOLERANCE``): for a choice
     whose effect is the host's (``EngineChoice.effect == "host"``), where the same kernels
     run and the kernel time can only tie or, padded, lose a little.
 
-    The kernel total stays a guard only where the wall time cannot see a loss (its CI
-    holds 1 or lies below it). Where the wall time is measurably faster, the step is what
+    The kernel total stays a guard only where the wall time cannot see a loss. Where the
+    wall time is measurably faster (as ``decide`` counts it: the CI clear of 1.00 by the
+    A/A's wall floor, ``floors``), the step is what
     the user waits for and it is shorter: session 35 (H100, Qwen3-0.6B) captured graphs up
     to 2048 tokens and the 2048-token prefill ran 2.005x [1.967, 2.032] faster in wall time
     with 2.3 % more kernel time (5596 against 5470 us, the graph-captured static shape's
     kernels), and the guard alone kept vLLM's default."""
     def one(p):
         q = {**p, "kernel_ci_low": None, "kernel_ci_high": None, "kernel_ratio_median": None}
-        if (p.get("ci_low") or 0.0) > 1.0:
+        if (p.get("ci_low") or 0.0) > 1.0 + model_step.wall_floor(p, floors):
             q["kernel_us_arm"] = None
         return q
     return [one(p) for p in points]
@@ -538,7 +539,7 @@ def judge(per_value: dict, floors: Optional[dict] = None,
     vanilla and floors (:func:`carried_values`), taken as they are, not re-judged here."""
     given = given or {}
     if by_wall:
-        per_value = {v: wall_points(pts) for v, pts in per_value.items()}
+        per_value = {v: wall_points(pts, floors) for v, pts in per_value.items()}
     verdicts = {v: given[v] if v in given else decide(pts, floors)
                 for v, pts in per_value.items()}
     passing = [v for v, (d, _) in verdicts.items() if d == "route"]
