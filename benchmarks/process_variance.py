@@ -16,8 +16,7 @@ import collections
 import gzip
 import json
 import math
-
-import numpy as np
+import statistics
 
 from fltune.evaluate.e2e import samples_by_process
 
@@ -65,20 +64,23 @@ def components(samples: list, key: str = "time_s") -> dict:
         reps = sorted(k for k in {k for _, k in m} if all((a, k) in m for a in procs))
         if len(procs) < 2 or len(reps) < 2:
             continue
-        y = np.array([[math.log(m[(a, k)]) for k in reps] for a in procs])
-        p, r = y.shape
-        g = y.mean()
-        pm, rm = y.mean(1), y.mean(0)
-        res = y - pm[:, None] - rm[None, :] + g
-        msp = r * ((pm - g) ** 2).sum() / (p - 1)
-        msr = (res ** 2).sum() / ((p - 1) * (r - 1))
+        # (plain Python: the project declares no numpy)
+        y = [[math.log(m[(a, k)]) for k in reps] for a in procs]
+        p, r = len(procs), len(reps)
+        g = statistics.fmean(v for row in y for v in row)
+        pm = [statistics.fmean(row) for row in y]
+        rm = [statistics.fmean(col) for col in zip(*y)]
+        ss_p = sum((x - g) ** 2 for x in pm)
+        msp = r * ss_p / (p - 1)
+        msr = sum((y[i][j] - pm[i] - rm[j] + g) ** 2
+                  for i in range(p) for j in range(r)) / ((p - 1) * (r - 1))
         f = msp / msr
         out[sc] = {"processes": p, "reps": r,
-                   "process_mean_sd_pct": 100 * math.sqrt(((pm - g) ** 2).sum() / (p - 1)),
+                   "process_mean_sd_pct": 100 * math.sqrt(ss_p / (p - 1)),
                    "residual_sd_pct": 100 * math.sqrt(msr),
                    "sigma_p_pct": 100 * math.sqrt(max(0.0, (msp - msr) / r)),
                    "F": f, "p_value": f_sf(f, p - 1, (p - 1) * (r - 1)),
-                   "rep_effect_sd_pct": 100 * float(rm.std(ddof=1)),
+                   "rep_effect_sd_pct": 100 * statistics.stdev(rm),
                    "offsets_pct": {a: round(100 * (v - g), 3) for a, v in zip(procs, pm)}}
     return out
 
