@@ -515,10 +515,15 @@ linbench) {
   # Memory (session 35, H100): an engine of Qwen3-0.6B holds ~9.4 GiB, and vLLM starts one
   # only with 0.2 x the card free; NOCAL=1 PROCS=4 (8 engines) fitted, but vanilla's restart
   # to a loaded engine came after the other seven and was refused: WARMONLY=1 first.
+  # ENGINE='{...}': engine arguments over the instrument's defaults for EVERY arm, vanilla
+  # included (session 36: the wall A/A with CUDA graphs up to 2048 tokens,
+  # ENGINE='{"compilation_config": {"max_cudagraph_capture_size": 2048}}'); an arm's DB
+  # pick of the same setting then yields to it (e2e.served_engine_overlay)
   AAARMS="--arm aa=vanilla"
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla $AAARMS $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
+    ${ENGINE:+--engine "$ENGINE"} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} ${INNER:+--inner $INNER} \
     ${INTERLEAVE:+--interleave $INTERLEAVE} ${PROCS:+--procs $PROCS} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"

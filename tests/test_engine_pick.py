@@ -675,3 +675,57 @@ def test_flashinfer_attention_module_names_are_the_prebuilt_ones(tmp_path, monke
     (pkg / "data" / "aot" / missing).mkdir(parents=True)
     (pkg / "data" / "aot" / missing / f"{missing}.so").write_bytes(b"")
     assert flashinfer_jit_note(["FLASHINFER"], 128, torch.bfloat16) is None
+
+
+def test_a_device_measured_only_for_engine_picks_freezes_routes_no_op_and_serves_them(tmp_path):
+    """A machine where no op was raced but an engine-wide choice was adjudicated (a new GPU
+    model, say): its DB freezes to a manifest with no op and the pick, and serve applies
+    the pick; the fixed-FL-order manifest, which has no picks, still refuses (no winners)."""
+    import io
+
+    from fltune.evaluate import e2e, engine_pick
+    from fltune.freeze import build_manifest
+    from fltune.integrations.vllm import serve
+    from fltune.store.db import DBError
+
+    db = tmp_path / "picks-only.db"
+    CalibrationDB(db).close()
+    with pytest.raises(DBError, match="holds no calibration"):   # nothing measured: refused
+        build_manifest(str(db))
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
+    engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "attention_backend", ["CPU_ATTN"], device_type="cpu",
+        scenarios=scen, reps=3, warmup=1, command="test", compile_aa=False,
+        measure=_recorded({"attention_backend=CPU_ATTN": (1.02, 1.05)}, []))
+    m, _ = build_manifest(str(db))
+    assert m["ops"] == {}
+    (p,) = m["engine_picks"]
+    assert (p["choice"], p["value"], p["decision"]) == ("attention_backend", "CPU_ATTN", "pick")
+    with pytest.raises(DBError, match="no winners"):
+        build_manifest(str(db), order="fl")
+    buf = io.StringIO()
+    argv, _, plan = serve.prepare(str(db), False, [str(FIXTURE)], environ={}, out=buf)
+    assert plan is not None and plan.routed == {}
+    assert argv[argv.index("--attention-backend") + 1] == "CPU_ATTN"
+
+
+def test_an_arm_serving_a_db_gets_its_engine_picks_as_serve_would(picked, tmp_path):
+    """`bench --e2e`'s arm db:PATH runs what `fltune serve --db PATH` runs: the DB's
+    engine-wide picks for the measured model become the arm's engine overlay; the run's own
+    --engine setting of that choice wins; another model, or a plain DB, gets nothing."""
+    from fltune.dispatch.manifest import model_key
+    from fltune.evaluate import e2e
+
+    plain_db, db, _, _ = picked
+    key = model_key(json.loads((FIXTURE / "config.json").read_text()))
+    arm = e2e.parse_arm(f"calibrated=db:{db}")
+    over, notes = e2e.served_engine_overlay(arm, key)
+    assert over == {"attention_backend": "CPU_ATTN"}
+    assert any("attention_backend=CPU_ATTN applied" in n for n in notes)
+    over, notes = e2e.served_engine_overlay(arm, key, {"attention_backend": "FLEX_ATTENTION"})
+    assert over == {} and "the run sets attention_backend itself" in notes[0]
+    assert e2e.served_engine_overlay(arm, "Other:h1") == ({}, [])
+    assert e2e.served_engine_overlay(e2e.parse_arm(f"x=db:{plain_db}"), key) == ({}, [])
+    assert e2e.served_engine_overlay(e2e.parse_arm("vanilla=vanilla"), key) == ({}, [])
+    over, notes = e2e.served_engine_overlay(e2e.parse_arm(f"y=db:{tmp_path / 'gone.db'}"), key)
+    assert over == {} and "does not freeze here" in notes[0]

@@ -339,6 +339,87 @@ def merge_engine(base: dict, over: dict | None) -> dict:
     return out
 
 
+def _set_by(over: dict, engine: dict | None) -> list:
+    """The keys of the engine overlay ``over`` that ``engine`` sets already (one level deep
+    for dict values, as :func:`merge_engine` merges them), spelled ``a`` or ``a.b``."""
+    got = []
+    for k, v in over.items():
+        mine = (engine or {}).get(k)
+        if isinstance(v, dict) and isinstance(mine, dict):
+            got += [f"{k}.{j}" for j in v if j in mine]
+        elif k in (engine or {}):
+            got.append(k)
+    return got
+
+
+def _frozen_in_child(db_path: str) -> dict:
+    """The manifest ``fltune freeze`` makes of ``db_path`` for this device, frozen in a
+    child process: freezing imports the backends (FlagGems among them), which open a CUDA
+    context, and the instrument's parent must not hold GPU memory its engines need."""
+    with tempfile.TemporaryDirectory(prefix="fltune-served-") as d:
+        out = os.path.join(d, "manifest.json")
+        # this very fltune (source tree or installed), as the workers import it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        r = subprocess.run([sys.executable, "-m", "fltune", "freeze", "--db", db_path,
+                            "--out", out], capture_output=True, text=True, timeout=600,
+                           env=env)
+        if r.returncode != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()
+            raise RuntimeError(tail[-1] if tail else f"fltune freeze exited {r.returncode}")
+        from ..dispatch.manifest import load_manifest
+        return load_manifest(out)
+
+
+def served_engine_overlay(arm: Arm, key: str | None,
+                          run_engine: dict | None = None) -> tuple[dict, list]:
+    """(engine overlay, notes): the engine-wide picks ``fltune serve`` adds for the DB or
+    manifest of ``arm`` when it serves the model ``key`` (``dispatch.manifest.model_key``).
+
+    Why: an arm ``db:PATH`` stands for ``fltune serve --db PATH``, and serve starts vLLM
+    with the DB's engine-wide picks (a CUDA-graph capture size, a GDN prefill kernel) as
+    well as routing its ops; an arm that routed the ops alone would measure another
+    configuration than the one a user gets (session 35: the capture-size pick alone made a
+    2048-token prefill 2.0x faster). As serve does, a setting the run gives itself wins
+    (``run_engine``, the user's ``--engine``; the arm's own overlay), and the note says so.
+    A DB that does not freeze for this device applies nothing here: its plugin says why
+    at the worker's start, and vLLM runs as it is."""
+    path = arm.env.get("FLTUNE_MANIFEST") or arm.env.get("FLTUNE_DB")
+    if not path or key is None:
+        return {}, []
+    from ..dispatch.manifest import EnginePick, load_manifest
+    from .engine_pick import CHOICES
+
+    try:
+        if arm.env.get("FLTUNE_MANIFEST"):
+            manifest = load_manifest(path)
+        else:
+            manifest = _frozen_in_child(path)
+    except Exception as e:
+        return {}, [f"arm {arm.name}: no engine-wide picks applied ({path} does not freeze "
+                    f"here: {type(e).__name__}: {e})"]
+    overlay, notes = {}, []
+    for p in (EnginePick.from_json(d) for d in manifest.get("engine_picks") or []):
+        if p.model != key or not p.picks:
+            continue
+        ch = CHOICES.get(p.choice)
+        if ch is None:
+            notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} not applied "
+                         f"(this fltune does not know the choice)")
+            continue
+        over = ch.overlay(p.value)
+        clash = _set_by(over, run_engine) + _set_by(over, arm.engine)
+        if clash:
+            notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} not applied: "
+                         f"the run sets {', '.join(clash)} itself")
+            continue
+        overlay = merge_engine(overlay, over)
+        notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} applied, as "
+                     f"`fltune serve` applies it")
+    return overlay, notes
+
+
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
     """The worker's environment: ``base`` without any FLTUNE_* variable, then ``extra``
     (engine-wide settings), then the arm's overlay."""
@@ -935,6 +1016,18 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
 
     tp = engine_tp(eng)
+    # the arms that stand for `fltune serve --db/--manifest` get what serve adds to vLLM's
+    # arguments, the engine-wide picks (one freeze per path; every process of an arm alike)
+    from ..dispatch.manifest import model_key
+    key, served = model_key(cfg, tp=tp), {}
+    for i, a in enumerate(arms):
+        src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
+        if src not in served:
+            served[src] = served_engine_overlay(a, key, engine)
+        over, arm_notes = served[src]
+        if over:
+            arms[i] = replace(a, engine=merge_engine(over, a.engine))
+        notes = notes + [n for n in arm_notes if n not in notes]
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],

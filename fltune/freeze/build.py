@@ -98,7 +98,11 @@ def build_manifest(db_path: str, *, device: Optional[str] = None,
     try:
         dev = resolve_device(db, device)
         winners = db.winners(dev["device_key"], dev["driver"])
-        if not winners:
+        # a device measured only for engine-wide picks (``fltune adjudicate --engine-choice``
+        # on a machine no op was raced on) freezes to a manifest that routes no op and
+        # serves those picks: what was measured is served, and every op stays vLLM's
+        if not winners and not (order == "measured"
+                                and db.engine_picks(dev["device_key"], dev["driver"])):
             raise DBError(f"{db_path} has no winners for {dev['name']} [{dev['device_key']}] "
                           f"driver {dev['driver']}; run "
                           f"`{calibrate_hint(db, dev['device_key'], dev['driver'], force=True)}`")
