@@ -729,3 +729,36 @@ def test_an_arm_serving_a_db_gets_its_engine_picks_as_serve_would(picked, tmp_pa
     assert e2e.served_engine_overlay(e2e.parse_arm("vanilla=vanilla"), key) == ({}, [])
     over, notes = e2e.served_engine_overlay(e2e.parse_arm(f"y=db:{tmp_path / 'gone.db'}"), key)
     assert over == {} and "does not freeze here" in notes[0]
+
+
+def test_a_picks_only_device_is_copied_into_a_db_of_its_own(tmp_path, picked):
+    """benchmarks/device_subset.py (how db/NVIDIA-H100-... was made from the GPU machine's
+    copy of the shipped DB): the device row and its picks, frozen alike; a device with raced
+    ops is refused (that needs `fltune merge`), and an existing output is never written."""
+    from fltune.evaluate import e2e, engine_pick
+    from fltune.freeze import build_manifest
+    from fltune.store import device as devmod
+
+    script = HERE.parent / "benchmarks" / "device_subset.py"
+    src = tmp_path / "src.db"
+    CalibrationDB(src).close()
+    engine_pick.adjudicate_engine(
+        str(src), str(FIXTURE), "attention_backend", ["CPU_ATTN"], device_type="cpu",
+        scenarios=[e2e.Scenario("decode_b1", "decode", 1, 8, 9)], reps=3, warmup=1,
+        command="test", compile_aa=False,
+        measure=_recorded({"attention_backend=CPU_ATTN": (1.02, 1.05)}, []))
+    key = devmod.current("cpu")["device_key"]
+    out = tmp_path / "one.db"
+    r = subprocess.run([sys.executable, str(script), str(src), key, str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert build_manifest(str(out))[0]["engine_picks"] == build_manifest(str(src))[0]["engine_picks"]
+    before = out.read_bytes()
+    r = subprocess.run([sys.executable, str(script), str(src), key, str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "exists" in r.stderr and out.read_bytes() == before
+    _, with_winners, _, _ = picked
+    r = subprocess.run([sys.executable, str(script), str(with_winners), key,
+                        str(tmp_path / "two.db")], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "fltune merge" in r.stderr
+    assert not (tmp_path / "two.db").exists()
