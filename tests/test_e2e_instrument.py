@@ -638,6 +638,25 @@ def test_parallel_start_launches_every_distinct_arm_before_waiting_for_any(run):
     assert all(i > started[3] for i in starting[4:])
 
 
+def test_host_speed_tells_a_host_that_ran_slow_most_of_the_run():
+    """host.speed from the probes around the runs: session 35's H100 host read 1.10x its
+    fastest at the median, session 36's 2.23x (91 % of runs above 1.25x); the run's
+    fastest reading is the floor, so a worker slow throughout still reads slow."""
+    def smp(*pairs):
+        return {"host": [{"probe_us": list(p)} for p in pairs]}
+    quiet = [smp((100, 104), (101, 110)), smp((102, 103), (99, 108))]
+    sp = e2e.host_speed(quiet)
+    assert sp["runs"] == 4 and sp["probe_floor_us"] == 99
+    assert sp["median_over_floor"] == pytest.approx(104 / 99, abs=1e-3)   # the lower middle
+    assert sp["slow_share"] == 0 and sp["median_over_floor"] < e2e.SLOW_HOST_FACTOR
+    slow = quiet[:1] + [smp((210, 220), (205, 230), (215, 219))]  # one worker slow throughout
+    sp = e2e.host_speed(slow)
+    assert sp["probe_floor_us"] == 100 and sp["slow_share"] == pytest.approx(3 / 5)
+    assert sp["median_over_floor"] == pytest.approx(2.19) and 2.19 > e2e.SLOW_HOST_FACTOR
+    assert "ran slow for most of the timed runs" in e2e.slow_host_note(sp)
+    assert e2e.host_speed([{"host": []}]) == {"runs": 0}
+
+
 def test_the_first_waves_compiled_arms_restart_before_the_second_wave_starts():
     """session 35: restarted after the last wave, vanilla's restart found seven engines up
     and too little of the card free; restarted before the second wave, it finds the card
