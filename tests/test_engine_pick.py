@@ -729,6 +729,15 @@ def test_an_arm_serving_a_db_gets_its_engine_picks_as_serve_would(picked, tmp_pa
     assert e2e.served_engine_overlay(e2e.parse_arm("vanilla=vanilla"), key) == ({}, [])
     over, notes = e2e.served_engine_overlay(e2e.parse_arm(f"y=db:{tmp_path / 'gone.db'}"), key)
     assert over == {} and "does not freeze here" in notes[0]
+    # in a run: the serve arm (both processes) gets it; an op's adjudication arm on the
+    # same DB (model_step's, FLTUNE_DB + FLTUNE_ROUTE) and vanilla do not
+    op_arm = e2e.Arm("only:rms_norm", {"FLTUNE_DB": str(db), "FLTUNE_ROUTE": "ops:rms_norm"})
+    arms = e2e.replica_arms([e2e.Arm("vanilla"), arm, op_arm], 2)
+    got, notes = e2e.apply_served_picks(arms, key, None)
+    by = {a.name: a.engine for a in got}
+    assert by["calibrated"] == by["calibrated.p2"] == {"attention_backend": "CPU_ATTN"}
+    assert by["vanilla"] == by["only:rms_norm"] == by["only:rms_norm.p2"] == {}
+    assert len(notes) == 1 and "arm calibrated:" in notes[0]
 
 
 def test_a_picks_only_device_is_copied_into_a_db_of_its_own(tmp_path, picked):

@@ -449,7 +449,8 @@ def cmd_bench_e2e(a) -> int:
     if not arms:
         arms = [e2e.Arm("vanilla", {}), e2e.Arm("aa", {})]
         if a.db:
-            arms.append(e2e.Arm("calibrated", {"FLTUNE_DB": os.path.abspath(a.db)}))
+            arms.append(e2e.Arm("calibrated", {"FLTUNE_DB": os.path.abspath(a.db)},
+                                serve_picks=True))
     if a.baseline not in [x.name for x in arms]:
         arms.insert(0, e2e.Arm(a.baseline, {}))
     names = [x.name for x in arms]

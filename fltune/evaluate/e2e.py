@@ -56,6 +56,12 @@ class Arm:
     #: measured in the state its own start left it in, even where the run's
     #: ``start_state`` is "loaded" (the arm spec ``first-start``: a server's first start)
     keep_compiled: bool = False
+    #: the arm stands for ``fltune serve`` with its DB or manifest (the arm specs ``db:`` and
+    #: ``manifest:``), so it gets the engine-wide picks serve adds
+    #: (:func:`served_engine_overlay`). Off for the arms of an op's adjudication
+    #: (``model_step``): they route one op against vanilla, and a capture size or backend
+    #: given to them alone would pass for the op's effect
+    serve_picks: bool = False
 
 
 @dataclass(frozen=True)
@@ -419,6 +425,24 @@ def served_engine_overlay(arm: Arm, key: str | None,
         notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} applied, as "
                      f"`fltune serve` applies it")
     return overlay, notes
+
+
+def apply_served_picks(arms: list, key: str | None, run_engine: dict | None) -> tuple:
+    """(arms, notes): each arm that stands for ``fltune serve`` (``Arm.serve_picks``) with
+    :func:`served_engine_overlay` under its own engine overlay; the rest as they are. One
+    freeze per DB or manifest (every process of an arm, every arm of one DB, alike)."""
+    out, notes, seen = [], [], {}
+    for a in arms:
+        if not a.serve_picks:
+            out.append(a)
+            continue
+        src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
+        if src not in seen:
+            seen[src] = served_engine_overlay(a, key, run_engine)
+        over, arm_notes = seen[src]
+        out.append(replace(a, engine=merge_engine(over, a.engine)) if over else a)
+        notes += [n for n in arm_notes if n not in notes]
+    return out, notes
 
 
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
@@ -1019,17 +1043,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
     tp = engine_tp(eng)
     # the arms that stand for `fltune serve --db/--manifest` get what serve adds to vLLM's
-    # arguments, the engine-wide picks (one freeze per path; every process of an arm alike)
+    # arguments, the engine-wide picks
     from ..dispatch.manifest import model_key
-    key, served = model_key(cfg, tp=tp), {}
-    for i, a in enumerate(arms):
-        src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
-        if src not in served:
-            served[src] = served_engine_overlay(a, key, engine)
-        over, arm_notes = served[src]
-        if over:
-            arms[i] = replace(a, engine=merge_engine(over, a.engine))
-        notes = notes + [n for n in arm_notes if n not in notes]
+    arms, served_notes = apply_served_picks(arms, model_key(cfg, tp=tp), engine)
+    notes = notes + served_notes
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],
@@ -1913,4 +1930,4 @@ def parse_arm(text: str) -> Arm:
     env = {"FLTUNE_DB" if kind == "db" else "FLTUNE_MANIFEST": os.path.abspath(path)}
     if route:
         env["FLTUNE_ROUTE"] = route
-    return Arm(name, env)
+    return Arm(name, env, serve_picks=True)
