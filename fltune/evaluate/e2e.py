@@ -396,7 +396,7 @@ def served_engine_overlay(arm: Arm, key: str | None,
     if not path or key is None:
         return {}, []
     from ..dispatch.manifest import EnginePick, load_manifest
-    from .engine_pick import CHOICES
+    from .engine_pick import engine_overlay
 
     try:
         if arm.env.get("FLTUNE_MANIFEST"):
@@ -406,25 +406,11 @@ def served_engine_overlay(arm: Arm, key: str | None,
     except Exception as e:
         return {}, [f"arm {arm.name}: no engine-wide picks applied ({path} does not freeze "
                     f"here: {type(e).__name__}: {e})"]
-    overlay, notes = {}, []
-    for p in (EnginePick.from_json(d) for d in manifest.get("engine_picks") or []):
-        if p.model != key or not p.picks:
-            continue
-        ch = CHOICES.get(p.choice)
-        if ch is None:
-            notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} not applied "
-                         f"(this fltune does not know the choice)")
-            continue
-        over = ch.overlay(p.value)
-        clash = _set_by(over, run_engine) + _set_by(over, arm.engine)
-        if clash:
-            notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} not applied: "
-                         f"the run sets {', '.join(clash)} itself")
-            continue
-        overlay = merge_engine(overlay, over)
-        notes.append(f"arm {arm.name}: engine-wide {p.choice}={p.value} applied, as "
-                     f"`fltune serve` applies it")
-    return overlay, notes
+    picks = [p for p in (EnginePick.from_json(d) for d in manifest.get("engine_picks") or [])
+             if p.model == key]
+    overlay, lines = engine_overlay(
+        picks, lambda over: _set_by(over, run_engine) + _set_by(over, arm.engine))
+    return overlay, [f"arm {arm.name}: {line}" for line in lines]
 
 
 def apply_served_picks(arms: list, key: str | None, run_engine: dict | None) -> tuple:

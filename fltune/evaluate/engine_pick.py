@@ -791,16 +791,33 @@ def serve_engine_args(picks: Sequence, vllm_args: Sequence[str]) -> tuple:
     return extra, lines
 
 
-def engine_overlay(picks: Sequence) -> dict:
-    """The ``Arm.engine`` overlay that serves a model's picks in the e2e instrument (what
-    ``fltune serve`` applies), so an arm can reproduce a served configuration."""
+def engine_overlay(picks: Sequence, set_already: Callable[[dict], list]) -> tuple:
+    """(``Arm.engine`` overlay, lines): the e2e instrument's counterpart of
+    :func:`serve_engine_args`, so an arm reproduces a served configuration. A 'pick' adds
+    its choice's overlay unless ``set_already(overlay)`` names keys the run sets itself (the
+    run's setting wins, as the user's flag does for serve); 'default' adds nothing; a choice
+    this fltune does not know is reported."""
     from .e2e import merge_engine
 
     out: dict = {}
+    lines = []
     for p in picks:
-        if p.decision == "pick" and p.choice in CHOICES:
-            out = merge_engine(out, CHOICES[p.choice].overlay(p.value))
-    return out
+        if not p.picks:
+            continue
+        ch = CHOICES.get(p.choice)
+        if ch is None:
+            lines.append(f"engine-wide {p.choice}={p.value} not applied (this fltune does not "
+                         f"know the choice)")
+            continue
+        over = ch.overlay(p.value)
+        clash = set_already(over)
+        if clash:
+            lines.append(f"engine-wide {p.choice}={p.value} not applied: the run sets "
+                         f"{', '.join(clash)} itself")
+            continue
+        out = merge_engine(out, over)
+        lines.append(f"engine-wide {p.choice}={p.value} applied, as `fltune serve` applies it")
+    return out, lines
 
 
 def adjudicate_engine_command(db_path: str, model: str, choice: str) -> str:
