@@ -518,7 +518,7 @@ linbench) {
   # ENGINE='{...}': engine arguments over the instrument's defaults for EVERY arm, vanilla
   # included (session 36: the wall A/A with CUDA graphs up to 2048 tokens,
   # ENGINE='{"compilation_config": {"max_cudagraph_capture_size": 2048}}'); an arm's DB
-  # pick of the same setting then yields to it (e2e.served_engine_overlay)
+  # pick of the same setting then yields to it (engine_pick.served_engine_overlay)
   AAARMS="--arm aa=vanilla"
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \

@@ -2,7 +2,7 @@
 e2e instrument's db arm make of it (session 36)."""
 import io, json, sys
 from fltune.dispatch.manifest import model_key
-from fltune.evaluate import e2e
+from fltune.evaluate import e2e, engine_pick
 from fltune.integrations.vllm import serve
 
 db = sys.argv[1]
@@ -13,4 +13,4 @@ print("serve says:\n" + buf.getvalue())
 print("vllm argv tail:", argv[-6:])
 print("routed ops:", None if plan is None else plan.routed)
 key = model_key(e2e.config_of(d))
-print("db arm overlay:", e2e.served_engine_overlay(e2e.parse_arm(f"calibrated=db:{db}"), key))
+print("db arm overlay:", engine_pick.served_engine_overlay(e2e.parse_arm(f"calibrated=db:{db}"), key))

@@ -714,30 +714,31 @@ def test_an_arm_serving_a_db_gets_its_engine_picks_as_serve_would(picked, tmp_pa
     engine-wide picks for the measured model become the arm's engine overlay; the run's own
     --engine setting of that choice wins; another model, or a plain DB, gets nothing."""
     from fltune.dispatch.manifest import model_key
-    from fltune.evaluate import e2e
+    from fltune.evaluate import e2e, engine_pick
 
     plain_db, db, _, _ = picked
     key = model_key(json.loads((FIXTURE / "config.json").read_text()))
     arm = e2e.parse_arm(f"calibrated=db:{db}")
-    over, notes = e2e.served_engine_overlay(arm, key)
+    over, notes = engine_pick.served_engine_overlay(arm, key)
     assert over == {"attention_backend": "CPU_ATTN"}
     assert any("attention_backend=CPU_ATTN applied" in n for n in notes)
-    over, notes = e2e.served_engine_overlay(arm, key, {"attention_backend": "FLEX_ATTENTION"})
+    over, notes = engine_pick.served_engine_overlay(arm, key, {"attention_backend": "FLEX_ATTENTION"})
     assert over == {} and "the run sets attention_backend itself" in notes[0]
-    assert e2e.served_engine_overlay(arm, "Other:h1") == ({}, [])
-    assert e2e.served_engine_overlay(e2e.parse_arm(f"x=db:{plain_db}"), key) == ({}, [])
-    assert e2e.served_engine_overlay(e2e.parse_arm("vanilla=vanilla"), key) == ({}, [])
-    over, notes = e2e.served_engine_overlay(e2e.parse_arm(f"y=db:{tmp_path / 'gone.db'}"), key)
+    assert engine_pick.served_engine_overlay(arm, "Other:h1") == ({}, [])
+    assert engine_pick.served_engine_overlay(e2e.parse_arm(f"x=db:{plain_db}"), key) == ({}, [])
+    assert engine_pick.served_engine_overlay(e2e.parse_arm("vanilla=vanilla"), key) == ({}, [])
+    over, notes = engine_pick.served_engine_overlay(e2e.parse_arm(f"y=db:{tmp_path / 'gone.db'}"), key)
     assert over == {} and "does not freeze here" in notes[0]
-    # in a run: the serve arm (both processes) gets it; an op's adjudication arm on the
-    # same DB (model_step's, FLTUNE_DB + FLTUNE_ROUTE) and vanilla do not
-    op_arm = e2e.Arm("only:rms_norm", {"FLTUNE_DB": str(db), "FLTUNE_ROUTE": "ops:rms_norm"})
-    arms = e2e.replica_arms([e2e.Arm("vanilla"), arm, op_arm], 2)
-    got, notes = e2e.apply_served_picks(arms, key, None)
+    # the bench command's arms: both processes of the serve arm get it, vanilla does not;
+    # an arm's own overlay stays on top
+    arms = e2e.replica_arms([e2e.Arm("vanilla"), arm,
+                             e2e.Arm("own", arm.env, {"max_num_seqs": 4})], 2)
+    got, notes = engine_pick.apply_served_picks(arms, key, None)
     by = {a.name: a.engine for a in got}
     assert by["calibrated"] == by["calibrated.p2"] == {"attention_backend": "CPU_ATTN"}
-    assert by["vanilla"] == by["only:rms_norm"] == by["only:rms_norm.p2"] == {}
-    assert len(notes) == 1 and "arm calibrated:" in notes[0]
+    assert by["own"] == {"attention_backend": "CPU_ATTN", "max_num_seqs": 4}
+    assert by["vanilla"] == by["vanilla.p2"] == {}
+    assert len(notes) == 2 and "arm calibrated:" in notes[0] and "arm own:" in notes[1]
 
 
 def test_a_picks_only_device_is_copied_into_a_db_of_its_own(tmp_path, picked):

@@ -433,6 +433,22 @@ def _e2e_scenarios(a, dev: str):
         raise UsageError(f"--scenarios: {e}") from None
 
 
+def _served_picks(model: str, arms: list, engine) -> tuple:
+    """``engine_pick.apply_served_picks`` for the model's key (as vLLM will be given it:
+    the instrument's one model path per config), each note printed."""
+    from ..dispatch.manifest import model_key
+    from ..evaluate import e2e, engine_pick
+    from ..evaluate.model_dir import config_of, stable_model_dir
+
+    if not any(x.env.get("FLTUNE_DB") or x.env.get("FLTUNE_MANIFEST") for x in arms):
+        return arms, []
+    key = model_key(config_of(stable_model_dir(model)), tp=e2e.engine_tp(engine))
+    arms, notes = engine_pick.apply_served_picks(arms, key, engine)
+    for n in notes:
+        print(f"fltune bench: {n}", file=sys.stderr, flush=True)
+    return arms, notes
+
+
 def cmd_bench_e2e(a) -> int:
     """`fltune bench --e2e`: vLLM arms in separate processes, alternated, ratio to vanilla
     with a bootstrap CI per scenario (evaluate/e2e.py)."""
@@ -449,8 +465,7 @@ def cmd_bench_e2e(a) -> int:
     if not arms:
         arms = [e2e.Arm("vanilla", {}), e2e.Arm("aa", {})]
         if a.db:
-            arms.append(e2e.Arm("calibrated", {"FLTUNE_DB": os.path.abspath(a.db)},
-                                serve_picks=True))
+            arms.append(e2e.Arm("calibrated", {"FLTUNE_DB": os.path.abspath(a.db)}))
     if a.baseline not in [x.name for x in arms]:
         arms.insert(0, e2e.Arm(a.baseline, {}))
     names = [x.name for x in arms]
@@ -464,6 +479,8 @@ def cmd_bench_e2e(a) -> int:
     engine = _engine_json(a)
     if a.out and os.path.isfile(a.out):
         raise UsageError(f"--out {a.out}: with --e2e, --out names a directory")
+    # an arm db:/manifest: stands for `fltune serve`: it gets the engine-wide picks serve adds
+    arms, served_notes = _served_picks(a.model, arms, engine)
     reps = a.reps or 10
     warmup = 2 if a.warmup is None else a.warmup
     con = _console(a.quiet or a.json)
@@ -493,7 +510,7 @@ def cmd_bench_e2e(a) -> int:
                            time_limit_s=a.time_limit, host_profile=a.host_profile,
                            start_state=a.start_state, inner=a.inner,
                            prefill_inner=a.prefill_inner, interleave=a.interleave,
-                           procs=a.procs)
+                           procs=a.procs, extra_notes=served_notes)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "

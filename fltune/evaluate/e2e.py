@@ -56,12 +56,6 @@ class Arm:
     #: measured in the state its own start left it in, even where the run's
     #: ``start_state`` is "loaded" (the arm spec ``first-start``: a server's first start)
     keep_compiled: bool = False
-    #: the arm stands for ``fltune serve`` with its DB or manifest (the arm specs ``db:`` and
-    #: ``manifest:``), so it gets the engine-wide picks serve adds
-    #: (:func:`served_engine_overlay`). Off for the arms of an op's adjudication
-    #: (``model_step``): they route one op against vanilla, and a capture size or backend
-    #: given to them alone would pass for the op's effect
-    serve_picks: bool = False
 
 
 @dataclass(frozen=True)
@@ -344,91 +338,6 @@ def merge_engine(base: dict, over: dict | None) -> dict:
         else:
             out[k] = v
     return out
-
-
-def _set_by(over: dict, engine: dict | None) -> list:
-    """The keys of the engine overlay ``over`` that ``engine`` sets already (one level deep
-    for dict values, as :func:`merge_engine` merges them), spelled ``a`` or ``a.b``."""
-    got = []
-    for k, v in over.items():
-        mine = (engine or {}).get(k)
-        if isinstance(v, dict) and isinstance(mine, dict):
-            got += [f"{k}.{j}" for j in v if j in mine]
-        elif k in (engine or {}):
-            got.append(k)
-    return got
-
-
-def _frozen_in_child(db_path: str) -> dict:
-    """The manifest ``fltune freeze`` makes of ``db_path`` for this device, frozen in a
-    child process: freezing imports the backends (FlagGems among them), which open a CUDA
-    context, and the instrument's parent must not hold GPU memory its engines need."""
-    with tempfile.TemporaryDirectory(prefix="fltune-served-") as d:
-        out = os.path.join(d, "manifest.json")
-        # this very fltune (source tree or installed), as the workers import it
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-        r = subprocess.run([sys.executable, "-m", "fltune", "freeze", "--db", db_path,
-                            "--out", out], capture_output=True, text=True, timeout=600,
-                           env=env)
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip().splitlines()
-            raise RuntimeError(tail[-1] if tail else f"fltune freeze exited {r.returncode}")
-        from ..dispatch.manifest import load_manifest
-        return load_manifest(out)
-
-
-def served_engine_overlay(arm: Arm, key: str | None,
-                          run_engine: dict | None = None) -> tuple[dict, list]:
-    """(engine overlay, notes): the engine-wide picks ``fltune serve`` adds for the DB or
-    manifest of ``arm`` when it serves the model ``key`` (``dispatch.manifest.model_key``).
-
-    Why: an arm ``db:PATH`` stands for ``fltune serve --db PATH``, and serve starts vLLM
-    with the DB's engine-wide picks (a CUDA-graph capture size, a GDN prefill kernel) as
-    well as routing its ops; an arm that routed the ops alone would measure another
-    configuration than the one a user gets (session 35: the capture-size pick alone made a
-    2048-token prefill 2.0x faster). As serve does, a setting the run gives itself wins
-    (``run_engine``, the user's ``--engine``; the arm's own overlay), and the note says so.
-    A DB that does not freeze for this device applies nothing here: its plugin says why
-    at the worker's start, and vLLM runs as it is."""
-    path = arm.env.get("FLTUNE_MANIFEST") or arm.env.get("FLTUNE_DB")
-    if not path or key is None:
-        return {}, []
-    from ..dispatch.manifest import EnginePick, load_manifest
-    from .engine_pick import engine_overlay
-
-    try:
-        if arm.env.get("FLTUNE_MANIFEST"):
-            manifest = load_manifest(path)
-        else:
-            manifest = _frozen_in_child(path)
-    except Exception as e:
-        return {}, [f"arm {arm.name}: no engine-wide picks applied ({path} does not freeze "
-                    f"here: {type(e).__name__}: {e})"]
-    picks = [p for p in (EnginePick.from_json(d) for d in manifest.get("engine_picks") or [])
-             if p.model == key]
-    overlay, lines = engine_overlay(
-        picks, lambda over: _set_by(over, run_engine) + _set_by(over, arm.engine))
-    return overlay, [f"arm {arm.name}: {line}" for line in lines]
-
-
-def apply_served_picks(arms: list, key: str | None, run_engine: dict | None) -> tuple:
-    """(arms, notes): each arm that stands for ``fltune serve`` (``Arm.serve_picks``) with
-    :func:`served_engine_overlay` under its own engine overlay; the rest as they are. One
-    freeze per DB or manifest (every process of an arm, every arm of one DB, alike)."""
-    out, notes, seen = [], [], {}
-    for a in arms:
-        if not a.serve_picks:
-            out.append(a)
-            continue
-        src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
-        if src not in seen:
-            seen[src] = served_engine_overlay(a, key, run_engine)
-        over, arm_notes = seen[src]
-        out.append(replace(a, engine=merge_engine(over, a.engine)) if over else a)
-        notes += [n for n in arm_notes if n not in notes]
-    return out, notes
 
 
 def arm_environ(arm: Arm, base: dict, extra: dict) -> dict:
@@ -868,7 +777,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             start_state: str | None = None,
             interleave: str | None = None,
             prefill_inner: int | None = None,
-            procs: int | None = None) -> E2EResult:
+            procs: int | None = None,
+            extra_notes: list | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
     None removes a default). ``progress(event, **kw)`` is called with "start", "rep" and
@@ -1028,11 +938,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
 
     tp = engine_tp(eng)
-    # the arms that stand for `fltune serve --db/--manifest` get what serve adds to vLLM's
-    # arguments, the engine-wide picks
-    from ..dispatch.manifest import model_key
-    arms, served_notes = apply_served_picks(arms, model_key(cfg, tp=tp), engine)
-    notes = notes + served_notes
+    notes = notes + [n for n in (extra_notes or []) if n not in notes]
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],
@@ -1916,4 +1822,4 @@ def parse_arm(text: str) -> Arm:
     env = {"FLTUNE_DB" if kind == "db" else "FLTUNE_MANIFEST": os.path.abspath(path)}
     if route:
         env["FLTUNE_ROUTE"] = route
-    return Arm(name, env, serve_picks=True)
+    return Arm(name, env)

@@ -50,8 +50,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shlex
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -818,6 +821,98 @@ def engine_overlay(picks: Sequence, set_already: Callable[[dict], list]) -> tupl
         out = merge_engine(out, over)
         lines.append(f"engine-wide {p.choice}={p.value} applied, as `fltune serve` applies it")
     return out, lines
+
+
+def _set_by(over: dict, engine: Optional[dict]) -> list:
+    """The keys of the engine overlay ``over`` that ``engine`` sets already (one level deep
+    for dict values, as :func:`merge_engine` merges them), spelled ``a`` or ``a.b``."""
+    got = []
+    for k, v in over.items():
+        mine = (engine or {}).get(k)
+        if isinstance(v, dict) and isinstance(mine, dict):
+            got += [f"{k}.{j}" for j in v if j in mine]
+        elif k in (engine or {}):
+            got.append(k)
+    return got
+
+
+def _frozen_in_child(db_path: str) -> dict:
+    """The manifest ``fltune freeze`` makes of ``db_path`` for this device, frozen in a
+    child process: freezing imports the backends (FlagGems among them), which open a CUDA
+    context, and the instrument's parent must not hold GPU memory its engines need."""
+    with tempfile.TemporaryDirectory(prefix="fltune-served-") as d:
+        out = os.path.join(d, "manifest.json")
+        # this very fltune (source tree or installed), as the e2e workers import it
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        r = subprocess.run([sys.executable, "-m", "fltune", "freeze", "--db", db_path,
+                            "--out", out], capture_output=True, text=True, timeout=600,
+                           env=env)
+        if r.returncode != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()
+            raise RuntimeError(tail[-1] if tail else f"fltune freeze exited {r.returncode}")
+        from ..dispatch.manifest import load_manifest
+        return load_manifest(out)
+
+
+def served_engine_overlay(arm, key: Optional[str],
+                          run_engine: dict | None = None) -> tuple[dict, list]:
+    """(engine overlay, notes): the engine-wide picks ``fltune serve`` adds for the DB or
+    manifest of ``arm`` when it serves the model ``key`` (``dispatch.manifest.model_key``).
+
+    Why: an arm ``db:PATH`` stands for ``fltune serve --db PATH``, and serve starts vLLM
+    with the DB's engine-wide picks (a CUDA-graph capture size, a GDN prefill kernel) as
+    well as routing its ops; an arm that routed the ops alone would measure another
+    configuration than the one a user gets (session 35: the capture-size pick alone made a
+    2048-token prefill 2.0x faster). As serve does, a setting the run gives itself wins
+    (``run_engine``, the user's ``--engine``; the arm's own overlay), and the note says so.
+    A DB that does not freeze for this device applies nothing here: its plugin says why
+    at the worker's start, and vLLM runs as it is."""
+    path = arm.env.get("FLTUNE_MANIFEST") or arm.env.get("FLTUNE_DB")
+    if not path or key is None:
+        return {}, []
+    from ..dispatch.manifest import EnginePick, load_manifest
+
+    try:
+        if arm.env.get("FLTUNE_MANIFEST"):
+            manifest = load_manifest(path)
+        else:
+            manifest = _frozen_in_child(path)
+    except Exception as e:
+        return {}, [f"arm {arm.name}: no engine-wide picks applied ({path} does not freeze "
+                    f"here: {type(e).__name__}: {e})"]
+    picks = [p for p in (EnginePick.from_json(d) for d in manifest.get("engine_picks") or [])
+             if p.model == key]
+    overlay, lines = engine_overlay(
+        picks, lambda over: _set_by(over, run_engine) + _set_by(over, arm.engine))
+    return overlay, [f"arm {arm.name}: {line}" for line in lines]
+
+
+def apply_served_picks(arms: list, key: Optional[str], run_engine: Optional[dict]) -> tuple:
+    """(arms, notes): each arm with a DB or manifest (``FLTUNE_DB``, ``FLTUNE_MANIFEST``:
+    ``fltune bench --e2e``'s arms ``db:`` and ``manifest:``, which stand for ``fltune
+    serve``) with :func:`served_engine_overlay` under its own engine overlay; the rest as
+    they are. One freeze per DB or manifest. Applied by the bench command, not inside
+    ``run_e2e``: an op's adjudication (``model_step``) routes its arms through the DB too,
+    against vanilla on one engine, and a pick given to its routed arms alone would pass for
+    the op's effect."""
+    from dataclasses import replace
+
+    from .e2e import merge_engine
+
+    out, notes, seen = [], [], {}
+    for a in arms:
+        if not (a.env.get("FLTUNE_MANIFEST") or a.env.get("FLTUNE_DB")):
+            out.append(a)
+            continue
+        src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
+        if src not in seen:
+            seen[src] = served_engine_overlay(a, key, run_engine)
+        over, arm_notes = seen[src]
+        out.append(replace(a, engine=merge_engine(over, a.engine)) if over else a)
+        notes += [n for n in arm_notes if n not in notes]
+    return out, notes
 
 
 def adjudicate_engine_command(db_path: str, model: str, choice: str) -> str:
