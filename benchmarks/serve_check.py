@@ -1,6 +1,8 @@
 """On the GPU machine: the H100's picks-only DB frozen, and what `fltune serve` and the
 e2e instrument's db arm make of it (session 36)."""
-import io, json, sys
+import io
+import sys
+
 from fltune.dispatch.manifest import model_key
 from fltune.evaluate import e2e, engine_pick
 from fltune.integrations.vllm import serve

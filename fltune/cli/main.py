@@ -440,7 +440,7 @@ def _served_picks(model: str, arms: list, engine) -> tuple:
     from ..evaluate import e2e, engine_pick
     from ..evaluate.model_dir import config_of, stable_model_dir
 
-    if not any(x.env.get("FLTUNE_DB") or x.env.get("FLTUNE_MANIFEST") for x in arms):
+    if not any(engine_pick.serves_from(x) for x in arms):
         return arms, []
     key = model_key(config_of(stable_model_dir(model)), tp=e2e.engine_tp(engine))
     arms, notes = engine_pick.apply_served_picks(arms, key, engine)

@@ -327,6 +327,16 @@ def engine_tp(engine: dict | None) -> int:
     return int((engine or {}).get("tensor_parallel_size") or 1)
 
 
+def with_this_fltune(pythonpath: str) -> str:
+    """``pythonpath`` with the folder this fltune is imported from at its end (unless it is
+    there): a child process (a worker, a freeze) imports this very fltune, source tree or
+    installed, whatever its working directory."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if root in pythonpath.split(os.pathsep):
+        return pythonpath
+    return pythonpath + os.pathsep + root if pythonpath else root
+
+
 def merge_engine(base: dict, over: dict | None) -> dict:
     """``over`` on ``base``; dict values (additional_config, ...) merged one level."""
     out = dict(base)
@@ -932,10 +942,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if device_type == "cpu":
         extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
     # the worker must import this very fltune (source tree or installed)
-    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pp = os.environ.get("PYTHONPATH", "")
-    if pkg_root not in pp.split(os.pathsep):
-        extra["PYTHONPATH"] = pp + os.pathsep + pkg_root if pp else pkg_root
+    if with_this_fltune(pp) != pp:
+        extra["PYTHONPATH"] = with_this_fltune(pp)
 
     tp = engine_tp(eng)
     notes = notes + [n for n in (extra_notes or []) if n not in notes]

@@ -842,10 +842,11 @@ def _frozen_in_child(db_path: str) -> dict:
     context, and the instrument's parent must not hold GPU memory its engines need."""
     with tempfile.TemporaryDirectory(prefix="fltune-served-") as d:
         out = os.path.join(d, "manifest.json")
+        from .e2e import with_this_fltune
+
         # this very fltune (source tree or installed), as the e2e workers import it
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ,
+               "PYTHONPATH": with_this_fltune(os.environ.get("PYTHONPATH", ""))}
         r = subprocess.run([sys.executable, "-m", "fltune", "freeze", "--db", db_path,
                             "--out", out], capture_output=True, text=True, timeout=600,
                            env=env)
@@ -854,6 +855,12 @@ def _frozen_in_child(db_path: str) -> dict:
             raise RuntimeError(tail[-1] if tail else f"fltune freeze exited {r.returncode}")
         from ..dispatch.manifest import load_manifest
         return load_manifest(out)
+
+
+def serves_from(arm) -> Optional[str]:
+    """The manifest or DB an e2e arm serves from (``FLTUNE_MANIFEST`` first, as the plugin
+    reads them), None for an arm that runs vanilla vLLM."""
+    return arm.env.get("FLTUNE_MANIFEST") or arm.env.get("FLTUNE_DB")
 
 
 def served_engine_overlay(arm, key: Optional[str],
@@ -869,7 +876,7 @@ def served_engine_overlay(arm, key: Optional[str],
     (``run_engine``, the user's ``--engine``; the arm's own overlay), and the note says so.
     A DB that does not freeze for this device applies nothing here: its plugin says why
     at the worker's start, and vLLM runs as it is."""
-    path = arm.env.get("FLTUNE_MANIFEST") or arm.env.get("FLTUNE_DB")
+    path = serves_from(arm)
     if not path or key is None:
         return {}, []
     from ..dispatch.manifest import EnginePick, load_manifest
@@ -903,7 +910,7 @@ def apply_served_picks(arms: list, key: Optional[str], run_engine: Optional[dict
 
     out, notes, seen = [], [], {}
     for a in arms:
-        if not (a.env.get("FLTUNE_MANIFEST") or a.env.get("FLTUNE_DB")):
+        if not serves_from(a):
             out.append(a)
             continue
         src = (a.env.get("FLTUNE_MANIFEST"), a.env.get("FLTUNE_DB"), str(sorted(a.engine)))
