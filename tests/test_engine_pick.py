@@ -772,3 +772,81 @@ def test_a_picks_only_device_is_copied_into_a_db_of_its_own(tmp_path, picked):
                         str(tmp_path / "two.db")], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "fltune merge" in r.stderr
     assert not (tmp_path / "two.db").exists()
+
+
+# ---- FlashAttention's split bound, measured on the DB's other picks ------------------------
+
+def test_flash_attn_max_splits_overlay_flag_listing_and_the_users_own_setting(monkeypatch):
+    """The setting lives in ``attention_config`` (vLLM 0.24/0.32); none is offered where no
+    FLASH_ATTN and no graphs run (here), and said why; on CUDA, offered only where the
+    platform validates FLASH_ATTN for the model (the attention listing, stubbed here)."""
+    from fltune.evaluate import e2e
+    from fltune.evaluate import engine_pick as ep
+
+    fa = ep.CHOICES["flash_attn_max_splits"]
+    assert fa.effect == "kernel"
+    assert fa.overlay("1") == {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}
+    assert fa.overlay("auto") == {}
+    with pytest.raises(ValueError, match="not a split count"):
+        fa.overlay("0")
+    # beside the attention backend pick: both kept (different keys)
+    both = e2e.merge_engine(ep.CHOICES["attention_backend"].overlay("FLASH_ATTN"), fa.overlay("8"))
+    assert both == {"attention_backend": "FLASH_ATTN",
+                    "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 8}}
+    assert fa.serve_args("1") == ["--attention-config.flash_attn_max_num_splits_for_cuda_graph", "1"]
+    assert fa.user_setting(["-ac.flash_attn_max_num_splits_for_cuda_graph=4"])
+    # any JSON of the user's for --attention-config: left alone (vLLM would drop it)
+    assert fa.user_setting(["--attention-config", '{"backend": "FLASHINFER"}'])
+    assert fa.user_setting(["--attention-backend", "FLASHINFER"]) is None
+    cpu = ep.available("flash_attn_max_splits", str(FIXTURE), "cpu")
+    assert cpu.values == [] and cpu.default == "32" and "no FLASH_ATTN" in cpu.excluded["1"]
+    monkeypatch.setattr(ep, "_list_attention", lambda cfg, dt: ep.Listing(
+        "attention_backend", ["FLASHINFER", "TRITON_ATTN"], default="FLASHINFER"))
+    assert ep.available("flash_attn_max_splits", str(FIXTURE), "cuda").values == []
+    monkeypatch.setattr(ep, "_list_attention", lambda cfg, dt: ep.Listing(
+        "attention_backend", ["FLASH_ATTN", "FLASHINFER"], default="FLASH_ATTN"))
+    assert ep.available("flash_attn_max_splits", str(FIXTURE), "cuda").values == ["1", "8"]
+
+
+def test_a_choice_is_measured_on_the_dbs_other_picks_as_they_are_served(picked, tmp_path):
+    """Adjudicating a second choice runs every arm, vanilla included, with the DB's first
+    pick for the model (serve applies them together); the run's own --engine setting wins;
+    the reason and evidence name what it ran on; --alone measures on bare vLLM. The choice's
+    own earlier row is never beneath itself."""
+    from fltune.evaluate import e2e, engine_pick
+
+    _, base, _, _ = picked                                # attention_backend=CPU_ATTN picked
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
+    name = "flash_attn_max_splits=1"
+
+    def run(db, **kw):
+        calls: list = []
+        doc = engine_pick.adjudicate_engine(
+            str(db), str(FIXTURE), "flash_attn_max_splits", ["1"], device_type="cpu",
+            scenarios=scen, reps=3, warmup=1, command="test", compile_aa=False,
+            measure=_recorded({name: (1.01, 1.03)}, calls), **kw)
+        return doc, calls[0]
+
+    db = tmp_path / "stack.db"
+    db.write_bytes(base.read_bytes())
+    doc, call = run(db)
+    assert call["engine"] == {"attention_backend": "CPU_ATTN"}
+    assert [a.engine for a in call["arms"]] == [
+        {}, {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}]
+    assert doc["decision"] == "pick" and "measured on attention_backend=CPU_ATTN" in doc["reason"]
+    assert doc["evidence"]["on_picks"] == ["attention_backend=CPU_ATTN"]
+    assert doc["evidence"]["engine"] is None
+    # the run's own setting of the choice beneath wins
+    doc, call = run(db, engine={"attention_backend": "FLEX_ATTENTION"})
+    assert call["engine"] == {"attention_backend": "FLEX_ATTENTION"}
+    assert doc["evidence"]["on_picks"] == [] and "measured on" not in doc["reason"]
+    doc, call = run(db, on_picks=False)
+    assert call["engine"] is None and doc["evidence"]["on_picks"] == []
+    # re-measuring the first choice: the new pick (splits) is beneath it, not its own row
+    calls: list = []
+    engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "attention_backend", ["CPU_ATTN"], device_type="cpu",
+        scenarios=scen, reps=3, warmup=1, command="test", compile_aa=False,
+        measure=_recorded({"attention_backend=CPU_ATTN": (1.02, 1.05)}, calls))
+    assert calls[0]["engine"] == {
+        "attention_config": {"flash_attn_max_num_splits_for_cuda_graph": 1}}

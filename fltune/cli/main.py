@@ -646,7 +646,7 @@ def cmd_adjudicate_engine(a) -> int:
             return engine_pick.adjudicate_engine(
                 a.db, a.model, name, values, device_type=dev, scenarios=scenarios,
                 reps=a.reps, warmup=a.warmup, engine=engine, out_dir=out, progress=progress,
-                command=command, compile_aa=_compile_aa(a))
+                command=command, compile_aa=_compile_aa(a), on_picks=not a.alone)
         try:
             doc = _interruptible((run, _measured_only("adjudicate --engine-choice")))
         except ValueError as e:
@@ -1140,9 +1140,14 @@ def _add_verify(sub) -> None:
                         "against vLLM's own default, the pick stored in the DB (repeat for "
                         "several). NAME: attention_backend, gdn_prefill_backend, "
                         "moe_backend, linear_backend, allreduce_rms_fusion (TP > 1), "
-                        "cudagraph_max_size (judged by wall time); "
+                        "cudagraph_max_size (judged by wall time), "
+                        "flash_attn_max_splits; "
                         "values default to those this vLLM "
-                        "offers on this device for the model")
+                        "offers on this device for the model. Every arm runs with the DB's "
+                        "other picks for the model, as served (--alone: without them)")
+    g.add_argument("--alone", action="store_true",
+                   help="--engine-choice: measure against bare vLLM, without the DB's "
+                        "other engine-wide picks for the model")
     g.add_argument("--list-values", action="store_true",
                    help="print the values each --engine-choice (default: every choice) "
                         "offers on this vLLM and device for the model; measure nothing")

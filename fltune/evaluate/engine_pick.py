@@ -441,6 +441,62 @@ def _cudagraph_refuse(v: str, engine: dict) -> Optional[str]:
     return None
 
 
+#: FlashAttention's split-KV bound under CUDA graphs offered (``flash_attn_max_splits``);
+#: vLLM's default is 32
+FA_SPLITS = ("1", "8")
+FA_SPLITS_DEFAULT = "32"
+
+
+def _list_fa_splits(cfg: dict, device_type: str) -> Listing:
+    """The most KV splits FlashAttention may use in a step that a CUDA graph replays
+    (``attention_config.flash_attn_max_num_splits_for_cuda_graph``, vLLM 0.24 and 0.32;
+    default 32; older vLLMs read ``VLLM_FLASH_ATTN_MAX_NUM_SPLITS_FOR_CUDA_GRAPH``).
+
+    Why it is a choice: a step that no graph replays passes 0 splits, FA3's own heuristic,
+    which splits a long prefill's KV not at all; a replayed step passes the bound, because
+    the graph needs its split buffers sized at capture, and FA3 may then split and add a
+    combine kernel. Once the capture size covers a 2048-token prefill
+    (``cudagraph_max_size``), that prefill ran 3.8 % more kernel time than vLLM's eager
+    step (session 36, H100, Qwen3-0.6B): FA3's split-KV combine kernel (+162 us a step,
+    absent from the eager step) and the attention itself (+41 us). At decode the splits
+    are what keeps a small batch's attention on many SMs, so 1 may cost there: measured,
+    not assumed. It acts only where FLASH_ATTN runs and graphs are captured (CUDA); it
+    changes which kernels run, so it is judged by kernel time (``effect="kernel"``)."""
+    out = Listing("flash_attn_max_splits", [], default=FA_SPLITS_DEFAULT,
+                  vllm=_vllm_version())
+    if device_type != "cuda":
+        out.excluded.update({v: "FlashAttention's graph-replayed split bound: no FLASH_ATTN "
+                                "and no CUDA graphs on this device" for v in FA_SPLITS})
+        return out
+    att = _list_attention(cfg, device_type)
+    if "FLASH_ATTN" not in att.values:
+        out.excluded.update({v: "FLASH_ATTN is not a valid attention backend for this model "
+                                "here" for v in FA_SPLITS})
+        return out
+    out.values = list(FA_SPLITS)
+    if att.default != "FLASH_ATTN":
+        out.notes.append(f"acts only where FLASH_ATTN runs; vLLM's default here is "
+                         f"{att.default} (a value's arm then ties vanilla)")
+    out.notes.append("acts on steps a CUDA graph replays (up to the capture size: vLLM's 512, "
+                     "or the cudagraph_max_size pick, which this adjudication runs on)")
+    return out
+
+
+def _fa_splits_overlay(v: str) -> dict:
+    """``attention_config.flash_attn_max_num_splits_for_cuda_graph``; ``auto`` sets
+    nothing (vLLM's 32)."""
+    if v == DEFAULT:
+        return {}
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"flash_attn_max_splits: value {v!r} is not a split count (>= 1) "
+                         f"or auto")
+    return {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": n}}
+
+
 CHOICES = {c.name: c for c in (
     EngineChoice("attention_backend", "vLLM's attention backend (FLASH_ATTN, FLASHINFER, "
                  "TRITON_ATTN, ...)", "--attention-backend", _top("attention_backend"),
@@ -475,6 +531,15 @@ CHOICES = {c.name: c for c in (
                   "--cudagraph-capture-sizes", "--cudagraph_capture_sizes"),
                  ((("--compilation-config", "-cc"), None),), _list_cudagraph,
                  effect="host", refuse=_cudagraph_refuse),
+    EngineChoice("flash_attn_max_splits", "FlashAttention's KV-split bound in CUDA-graph "
+                 "replayed steps (vLLM: 32; 1, 8)",
+                 "--attention-config.flash_attn_max_num_splits_for_cuda_graph",
+                 _fa_splits_overlay,
+                 ("--attention-config.flash_attn_max_num_splits_for_cuda_graph",
+                  "-ac.flash_attn_max_num_splits_for_cuda_graph"),
+                 # a dotted flag beside the user's own --attention-config JSON: vLLM folds
+                 # it into a JSON placed last and the user's would be dropped; left alone
+                 ((("--attention-config", "-ac"), None),), _list_fa_splits),
 )}
 
 
@@ -576,7 +641,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                       progress: Optional[Callable] = None,
                       measure: Optional[Callable] = None, command: Optional[str] = None,
                       listing: Optional[Listing] = None,
-                      compile_aa: Optional[bool] = None) -> dict:
+                      compile_aa: Optional[bool] = None, on_picks: bool = True) -> dict:
     """Measure ``choice``'s values for ``model`` on this machine and store the pick in the
     DB ``db_path`` (which must exist; this machine's device row is added if missing).
 
@@ -587,8 +652,10 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     is :func:`fltune.evaluate.e2e.run_e2e` by default (tests inject recorded points).
     ``compile_aa`` adds ``model_step``'s compile A/A arm (None: on CUDA): every value's arm
     compiles the model itself (its config hash differs from vanilla's), so one draw of
-    Inductor's autotuning sets the kernel floor. Returns the document written (one
-    transaction)."""
+    Inductor's autotuning sets the kernel floor. ``on_picks``: every arm, vanilla
+    included, runs with the DB's other engine-wide picks for this model on this device
+    (:func:`picks_beneath`), as they are served together. Returns the document written
+    (one transaction)."""
     import os
 
     import torch
@@ -631,6 +698,12 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     command = command or " ".join(shlex.quote(a) for a in sys.argv)
     if compile_aa is None:
         compile_aa = model_step.compile_aa_default(device_type)
+    me = devmod.current(device_type)
+    given, given_lines = ({}, []) if not on_picks else picks_beneath(
+        db_path, me, model_key(served, tp=tp), choice, engine)
+    user_engine = engine
+    if given:
+        engine = e2e.merge_engine(given, engine)
     arms = [e2e.Arm(BASELINE_ARM, {}, ch.overlay(DEFAULT))] + [
         e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values] + (
         [e2e.Arm(model_step.COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV),
@@ -650,7 +723,6 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                     f"for the effect")
     info = getattr(result, "arms_info", None) or {}
     key = _reported_key_any(result) or model_key(served, tp=tp)
-    me = devmod.current(device_type)
     stack = devmod.stack()
     # one open for the earlier row's values and the new row (what lies between is pure)
     db = CalibrationDB(db_path, create=False, write=True)
@@ -662,6 +734,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                                                   f"earlier run, {carried_date(ev)}]")
                            for v, ev in carried.items()},
             by_wall=ch.effect == "host")
+        if given_lines:
+            reason += f" [measured on {', '.join(given_lines)}, as `fltune serve` applies them]"
         scen = [_scenario_json(s) for s in scenarios]
         ev_values = {}
         for v in values:
@@ -677,7 +751,9 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                     "listing": listing.to_json() if listing else None, "scenarios": scen,
                     "reps": getattr(result, "reps", reps), "reps_asked": reps,
                     "time_limit": (getattr(result, "host", None) or {}).get("time_limit"),
-                    "warmup": warmup, "engine": engine, "command": command,
+                    "warmup": warmup, "engine": user_engine, "command": command,
+                    # the DB's other picks every arm ran with (``picks_beneath``)
+                    "on_picks": given_lines, "engine_run": engine,
                     # the per-value rule is model_step's, whichever version it is now
                     "value_rule": model_step.RULE,
                     "judged_by": ("wall time (the setting's effect is the host's; kernel "
@@ -699,6 +775,37 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
             "values": values, "decision": decision, "value": value, "reason": reason,
             "scenarios": scen, "reps": reps, "warmup": warmup, "command": command,
             "warnings": gaps, "evidence": evidence}
+
+
+def picks_beneath(db_path: str, me: dict, key: str, choice: str,
+                  engine: Optional[dict]) -> tuple[dict, list]:
+    """(engine overlay, ``choice=value`` names): the picks stored in ``db_path`` for the
+    model ``key`` on the device ``me`` other than ``choice``'s, as :func:`engine_overlay`
+    applies them; a setting ``engine`` (the user's ``--engine``) gives itself wins.
+
+    Why: ``fltune serve`` applies a model's picks together, so a choice is worth what it
+    gives on top of the others. FlashAttention's split bound acts only on graph-replayed
+    steps: against vLLM's 512-token capture it would never touch a 2048-token prefill,
+    which the ``cudagraph_max_size`` pick replays, and that is where its cost lay
+    (session 36). Measured alone, each choice would be judged on an engine nobody serves.
+    The names go into the decision's reason and evidence (``on_picks``); a later
+    re-measurement of a pick beneath does not re-open this one (re-run it then)."""
+    from ..dispatch.manifest import EnginePick
+    from .e2e import merge_engine
+
+    db = CalibrationDB(db_path, create=False)
+    try:
+        rows = [r for r in db.engine_picks(me["device_key"], me["driver"], key)
+                if r.get("choice") != choice]
+    finally:
+        db.close()
+    over, names = {}, []
+    for p in (EnginePick.from_json(r) for r in rows):
+        mine, _ = engine_overlay([p], lambda o: _set_by(o, engine))
+        if mine:
+            over = merge_engine(over, mine)
+            names.append(f"{p.choice}={p.value}")
+    return over, names
 
 
 def carried_values(db, me: dict, key: str, choice: str, raced: Sequence[str],
