@@ -141,7 +141,10 @@ pack_fi() {
 # DBSRC=PATH (a DB file in the checkout) starts from that DB instead, in a copy of its own
 # (e.g. session 14's, with Qwen3-0.6B's split GEMMs: `git show aebb8be:db/NVIDIA-H200_driver-580.159.04.db > s14.db`)
 shipped_db() {
-  if [ -n "${DBSRC:-}" ]; then DB=/tmp/s7/alt-$(basename "$DBSRC"); cp "$DBSRC" $DB
+  # (kept while the machine is warm, as lin.db is: a later phase reads what an earlier
+  # one stored, session 37's engine pick then the served DB; DBFRESH=1 copies it anew)
+  if [ -n "${DBSRC:-}" ]; then DB=/tmp/s7/alt-$(basename "$DBSRC")
+    { [ -f $DB ] && [ "${DBFRESH:-0}" != 1 ]; } || cp "$DBSRC" $DB
   else DB=/tmp/s7/lin.db; [ -f $DB ] || cp db/NVIDIA-H200_driver-580.159.04.db $DB; fi; }
 # seconds left of the call (CALL_S, default 570) since the phase began (t0)
 call_left() { echo $(( ${CALL_S:-570} - $(date +%s) + t0 )); }
