@@ -522,7 +522,9 @@ linbench) {
   # included (session 36: the wall A/A with CUDA graphs up to 2048 tokens,
   # ENGINE='{"compilation_config": {"max_cudagraph_capture_size": 2048}}'); an arm's DB
   # pick of the same setting then yields to it (engine_pick.served_engine_overlay)
-  AAARMS="--arm aa=vanilla"
+  # AA=recompiled: the A/A arm is vanilla compiled afresh (its kernel CI is the compile
+  # A/A floor: one draw of Inductor's autotuning, which a calibrated arm also compiles)
+  AAARMS="--arm aa=${AA:-vanilla}"
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla $AAARMS $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
