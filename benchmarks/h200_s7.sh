@@ -525,6 +525,9 @@ linbench) {
   # AA=recompiled: the A/A arm is vanilla compiled afresh (its kernel CI is the compile
   # A/A floor: one draw of Inductor's autotuning, which a calibrated arm also compiles)
   AAARMS="--arm aa=${AA:-vanilla}"
+  # XARMS="caa2=recompiled caa3=recompiled": more arms beside them (session 38: three compile
+  # draws of vanilla, so the spread of Inductor's draws is read before a served arm's effect)
+  for a in ${XARMS:-}; do AAARMS="$AAARMS --arm $a"; done
   el "served DB against vanilla ${FLARM:-} ${WARMARGS:+(WARMONLY: compiling the arms)}"
   FLTUNE_E2E_TIME_LIMIT=$(lim 540) timeout ${TIMEOUT:-540} python3 -m fltune bench --e2e --model "$P" --db $DB \
     --arm vanilla=vanilla $AAARMS $CALARM ${FLARM:-} --reps ${REPS:-8} $WARMARGS \
