@@ -456,6 +456,48 @@ def test_the_compile_aa_arm_is_vanilla_recompiled_and_its_floor_decides(picked, 
     assert doc["evidence"]["compile_aa"]["floors"] == {"decode_b1": pytest.approx(0.03)}
 
 
+def test_several_compile_draws_in_an_engine_adjudication_and_on_the_command_line(picked,
+                                                                                  tmp_path):
+    """compile_aa=2: two draws of vanilla, each with vanilla's overlay and caches of its own;
+    the wider one sets the floor. `--compile-aa 2` reaches the stage as 2; a word that is
+    neither auto/on/off nor a count is refused by the parser, naming what it takes."""
+    from fltune.cli.main import _compile_aa, build_parser
+    from fltune.evaluate import e2e, engine_pick
+
+    plain = picked[0]
+    db = tmp_path / "draws.db"
+    db.write_bytes(plain.read_bytes())
+    calls: list = []
+    k = {"attention_backend=CPU_ATTN": (1.015, 1.02), "compile-aa": (0.998, 1.003),
+         "compile-aa2": (0.975, 1.004)}
+
+    def measure(model, arms, scenarios, **kw):
+        calls.append(arms)
+        pts = [{**_pt(a.name, s.name, 0.97, 1.05), "kernel_ci_low": k[a.name][0],
+                "kernel_ci_high": k[a.name][1], "kernel_ratio_median": sum(k[a.name]) / 2,
+                "kernel_n": 3} for a in arms if a.name in k for s in scenarios]
+        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+
+    scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
+    doc = engine_pick.adjudicate_engine(
+        str(db), str(FIXTURE), "attention_backend", ["CPU_ATTN"], device_type="cpu",
+        scenarios=scen, reps=3, warmup=1, command="test", measure=measure, compile_aa=2)
+    (arms,) = calls
+    assert [a.name for a in arms[-2:]] == ["compile-aa", "compile-aa2"]
+    assert all(a.env == e2e.COMPILE_AA_ENV and a.engine == arms[0].engine for a in arms[-2:])
+    # 1.5-2 % faster: past the first draw's 1 % floor, inside the second's 2.5 %
+    assert doc["decision"] == "default", doc["reason"]
+    assert doc["evidence"]["compile_aa"]["floors"] == {"decode_b1": pytest.approx(0.025)}
+    assert doc["evidence"]["compile_aa"]["draws"] == 2
+    p = build_parser()
+    base = ["adjudicate", "--model", "Qwen3-0.6B", "--engine-choice", "attention_backend"]
+    assert _compile_aa(p.parse_args(base + ["--compile-aa", "2"])) == 2
+    assert _compile_aa(p.parse_args(base + ["--compile-aa", "off"])) is False
+    assert _compile_aa(p.parse_args(base)) is None
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--compile-aa", "twice"])
+
+
 def test_adjudication_runs_one_arm_per_value_against_vllms_default_and_stores_it(picked):
     from fltune.dispatch.manifest import model_key
 

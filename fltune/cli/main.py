@@ -535,8 +535,24 @@ def cmd_bench_e2e(a) -> int:
 
 
 def _compile_aa(a):
-    """--compile-aa auto|on|off -> None (the stage decides by device) | True | False."""
-    return {"auto": None, "on": True, "off": False}[getattr(a, "compile_aa", "auto")]
+    """--compile-aa auto|on|off|N -> None (the stage decides by device) | True | False | N
+    (that many draws, ``model_step.compile_aa_draws``)."""
+    v = getattr(a, "compile_aa", "auto")
+    return {"auto": None, "on": True, "off": False}.get(v, v)
+
+
+def _compile_aa_arg(text: str):
+    """argparse type of --compile-aa: auto, on, off, or a number of draws (0 = off)."""
+    if text in ("auto", "on", "off"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected auto, on, off or a number of draws "
+                                         f"(0, 1, 2, ...), got {text!r}")
+    return n
 
 
 def cmd_adjudicate(a) -> int:
@@ -1153,12 +1169,14 @@ def _add_verify(sub) -> None:
                         "offers on this vLLM and device for the model; measure nothing")
     c.add_argument("--engine", help="JSON object of vLLM engine arguments every arm gets "
                                     "(vanilla too), over the instrument's defaults")
-    c.add_argument("--compile-aa", choices=["auto", "on", "off"], default="auto",
+    c.add_argument("--compile-aa", type=_compile_aa_arg, default="auto",
+                   metavar="auto|on|off|N",
                    help="add an arm that is vanilla vLLM compiled afresh (into empty "
                         "caches of its own): its kernel-time CI against vanilla, one draw of "
                         "Inductor's autotuning, widens the 1%% kernel floor per scenario "
                         "(an arm that differs from vanilla compiles the model itself). "
-                        "auto: on CUDA")
+                        "auto: on CUDA; N: N such arms, the floor the widest draw's "
+                        "(each one more engine at start)")
     c.add_argument("--confirm", choices=["auto", "on", "off"], default="auto",
                    help="--per-range: an op split (route in some token ranges, vLLM's path "
                         "in others) is measured once more as it will be served, against "

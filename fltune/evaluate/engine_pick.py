@@ -641,7 +641,7 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
                       progress: Optional[Callable] = None,
                       measure: Optional[Callable] = None, command: Optional[str] = None,
                       listing: Optional[Listing] = None,
-                      compile_aa: Optional[bool] = None, on_picks: bool = True) -> dict:
+                      compile_aa=None, on_picks: bool = True) -> dict:
     """Measure ``choice``'s values for ``model`` on this machine and store the pick in the
     DB ``db_path`` (which must exist; this machine's device row is added if missing).
 
@@ -650,9 +650,10 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
     ``Arm.engine`` the choice's overlay, against the baseline arm ``vanilla`` (the overlay of
     ``auto``). ``engine``: engine arguments every arm gets (as ``run_e2e``'s). ``measure``
     is :func:`fltune.evaluate.e2e.run_e2e` by default (tests inject recorded points).
-    ``compile_aa`` adds ``model_step``'s compile A/A arm (None: on CUDA): every value's arm
-    compiles the model itself (its config hash differs from vanilla's), so one draw of
-    Inductor's autotuning sets the kernel floor. ``on_picks``: every arm, vanilla
+    ``compile_aa`` adds ``model_step``'s compile A/A arm (None: on CUDA; an int N, N draws:
+    ``model_step.compile_aa_draws``): every value's arm compiles the model itself (its
+    config hash differs from vanilla's), so a fresh draw of Inductor's autotuning sets the
+    kernel floor. ``on_picks``: every arm, vanilla
     included, runs with the DB's other engine-wide picks for this model on this device
     (:func:`picks_beneath`), as they are served together. Returns the document written
     (one transaction)."""
@@ -706,8 +707,8 @@ def adjudicate_engine(db_path: str, model: str, choice: str,
         engine = e2e.merge_engine(given, engine)
     arms = [e2e.Arm(BASELINE_ARM, {}, ch.overlay(DEFAULT))] + [
         e2e.Arm(arm_name(choice, v), {}, ch.overlay(v)) for v in values] + (
-        [e2e.Arm(model_step.COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV),
-                 ch.overlay(DEFAULT))] if compile_aa else [])
+        model_step.compile_aa_arms(model_step.compile_aa_draws(compile_aa),
+                                   ch.overlay(DEFAULT)))
     result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline=BASELINE_ARM,
                      engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
                      progress=progress)

