@@ -1290,6 +1290,7 @@ def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
     file is written by the script a session runs, and reads back with every point."""
     a = _summary([("decode_b1", "aa", 1.0), ("decode_b1", "calibrated", 1.2)],
                  command="bench b1", date="2026-12-03T06:47")
+    a["against_aa"] = {"decode_b1": {"aa_arms": ["aa"]}}
     b = _summary([("decode_b16", "aa", 1.0), ("decode_b16", "calibrated", 0.99)],
                  command="bench b16", date="2026-12-03T06:52")
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
@@ -1308,6 +1309,10 @@ def test_join_summaries_keeps_every_point_and_each_runs_command(tmp_path):
         ("decode_b1", "aa"), ("decode_b1", "calibrated"),
         ("decode_b16", "aa"), ("decode_b16", "calibrated")]
     assert doc["command"] == "bench b1 ; bench b16"
+    # the first run's reading against its A/A arms reaches the top level and its run entry
+    assert doc["against_aa"] == {"decode_b1": {"aa_arms": ["aa"]}}
+    assert [r.get("against_aa") for r in doc["runs"]] == [{"decode_b1": {"aa_arms": ["aa"]}},
+                                                          None]
     assert doc["date"] == "2026-12-03T06:52"
     assert [x["command"] for x in doc["runs"]] == ["bench b1", "bench b16"]
     assert doc["runs"][0]["raw"] == os.path.join("r1", "e2e-raw.json.gz")   # beside run 1

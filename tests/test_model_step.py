@@ -919,3 +919,59 @@ def test_adjudicate_command_stores_an_all_native_op_without_a_run(cal_db, tmp_pa
     assert [(x["op"], x["decision"]) for x in rows] == [("fused_add_rms_norm", "native")]
     r = _cli("report", "--db", str(db))
     assert r.returncode == 0 and "routing decided by model-step measurement" in r.stdout
+
+
+def test_the_e2e_summary_reads_each_arm_against_its_aa_arms():
+    """`fltune bench --e2e`'s ``against_aa``: every arm that is not an A/A arm, read per
+    scenario against the widest of the A/A arms (vanilla again and each fresh compile; not a
+    replica, not an arm with an engine overlay, not an fltune arm). Session 38's H100 numbers
+    (draws-e2e-summary.json, decode b1 and prefill 8192): the served DB's wall 1.012
+    [1.010, 1.013] sits above every A/A arm's CI and inside the widest one's 7.4 % reach
+    (a tie); its kernel 1.037 [1.025, 1.039] clears the draws' floor; at prefill 8192 a
+    draw's 0.983 sets a 1.7 % kernel floor, and a 1.4 % kernel loss there is a tie."""
+    from rich.console import Console
+
+    from fltune.cli.render import render_e2e
+    from fltune.evaluate import e2e
+    from fltune.evaluate.model_step import is_aa_arm, read_against_aa
+
+    def pt(sc, arm, lo, hi, klo, khi):
+        return {**_kpt(sc, lo, hi, klo, khi), "arm": arm, "kernel_n": 3, "n": 8}
+
+    aa_env = dict(e2e.COMPILE_AA_ENV)
+    arms = {"vanilla": {"env": {}, "engine": None},
+            "aa": {"env": aa_env, "engine": None},
+            "caa2": {"env": aa_env, "engine": None},
+            "caa2.p2": {"env": aa_env, "engine": None, "arm": "caa2", "replica": 2},
+            "calibrated": {"env": {"FLTUNE_DB": "x.db"},
+                           "engine": {"compilation_config": {"max_cudagraph_capture_size":
+                                                             2048}}},
+            "cap": {"env": {}, "engine": {"attention_config": {"x": 1}}}}
+    points = [pt("decode_b1", "aa", 0.926, 1.0085, 0.990, 0.995),
+              pt("decode_b1", "caa2", 0.981, 1.006, 0.9915, 0.9965),
+              pt("decode_b1", "calibrated", 1.010, 1.013, 1.025, 1.039),
+              pt("decode_b1", "cap", 1.090, 1.100, 0.95, 0.96),
+              pt("prefill_8192", "aa", 0.980, 1.000, 0.9997, 1.0038),
+              pt("prefill_8192", "caa2", 0.993, 1.003, 0.9825, 1.0086),
+              pt("prefill_8192", "calibrated", 0.997, 1.007, 0.982, 0.989)]
+    doc = {"model": "m", "device": "d", "vllm": "0", "engine": {"baseline": "vanilla"},
+           "arms": arms, "points": points}
+    assert [n for n, a in arms.items() if is_aa_arm(n, a)] == ["aa", "caa2"]
+    r = read_against_aa(doc)
+    assert r["decode_b1"]["aa_arms"] == ["aa", "caa2"]
+    assert r["decode_b1"]["wall_floor"] == pytest.approx(0.074)
+    assert r["decode_b1"]["arms"] == {"calibrated": {"kernel": "faster", "wall": "tie"},
+                                      "cap": {"kernel": "slower", "wall": "faster"}}
+    assert r["prefill_8192"]["kernel_floor"] == pytest.approx(0.0175)
+    assert r["prefill_8192"]["arms"]["calibrated"] == {"kernel": "tie", "wall": "tie"}
+    # the same loss against one draw that happened to land near 1.00: slower
+    one = {**doc, "arms": {k: v for k, v in arms.items() if k != "caa2"},
+           "points": [p for p in points if p["arm"] != "caa2"]}
+    assert read_against_aa(one)["prefill_8192"]["arms"]["calibrated"]["kernel"] == "slower"
+    # no A/A arm: nothing to read against
+    assert read_against_aa({**doc, "arms": {"vanilla": arms["vanilla"],
+                                            "calibrated": arms["calibrated"]}}) == {}
+    con = Console(record=True, width=250)
+    render_e2e({**doc, "against_aa": r}, console=con)
+    assert ("against the A/A decode_b1 calibrated: kernel faster, wall tie (floors kernel "
+            "±1.0%, wall ±7.4% from aa, caa2)") in con.export_text(), con.export_text()

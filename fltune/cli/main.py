@@ -523,6 +523,8 @@ def cmd_bench_e2e(a) -> int:
     command = _command_line(a)
     doc = res.to_summary(device=device, model=a.model, vllm=res.vllm_version or "?",
                          command=command)
+    from ..evaluate.model_step import read_against_aa
+    doc["against_aa"] = read_against_aa(doc)
     if a.out:
         _write_json(doc, os.path.join(a.out, "e2e-summary.json"))
     if a.json:

@@ -657,6 +657,15 @@ def render_e2e(doc: dict, console=None) -> None:
     console.print(f"(n = reps; green: CI above 1.00 (faster than {base}), red: CI below 1.00; "
                   f"A/A arms show the instrument's noise: their CI half-width is the smallest "
                   f"effect that can be read)")
+    # each arm read against the A/A arms (vanilla again, fresh compiles): what clears them
+    for sc, r in (doc.get("against_aa") or {}).items():
+        floors = ", ".join(f"{k} ±{r[k + '_floor']:.1%}" for k in ("kernel", "wall")
+                           if r.get(k + "_floor") is not None)
+        for name, v in r["arms"].items():
+            if v:
+                console.print(f"against the A/A {sc} {escape(name)}: "
+                              + ", ".join(f"{k} {w}" for k, w in v.items())
+                              + f" (floors {floors} from {', '.join(r['aa_arms'])})")
     # several processes per arm: how far each process sat from its arm's mean
     for p in doc["points"]:
         offs = p.get("process_offsets_pct") or {}

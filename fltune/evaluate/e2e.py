@@ -609,12 +609,21 @@ def join_summaries(docs: list) -> dict:
     for d in docs:
         for name, arm in (d.get("arms") or {}).items():
             arms.setdefault(name, arm)
+    # each run's reading against its own A/A arms (``model_step.read_against_aa``), per
+    # scenario; a scenario two runs measured (other arms) keeps the first's at the top level,
+    # and every run's stays in its ``runs`` entry
+    against: dict = {}
+    for d in docs:
+        for sc, r in (d.get("against_aa") or {}).items():
+            against.setdefault(sc, r)
     return {"device": first["device"], "model": first["model"], "vllm": first["vllm"],
             "date": max((str(d["date"]) for d in docs if d.get("date")), default=None),
             "command": " ; ".join(str(d.get("command")) for d in docs),
             "engine": engine, "arms": arms,
             "points": [p for d in docs for p in d.get("points") or []],
-            "runs": [{k: d.get(k) for k in ("command", "date", "engine", "arms", "host_extra")
+            **({"against_aa": against} if against else {}),
+            "runs": [{k: d.get(k) for k in ("command", "date", "engine", "arms", "host_extra",
+                                            "against_aa")
                       if d.get(k) is not None} for d in docs]}
 
 

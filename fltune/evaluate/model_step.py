@@ -378,6 +378,64 @@ def kernel_floors(aa_points: list) -> dict:
                    for p in aa_points if kernel_ci_usable(p))
 
 
+def is_aa_arm(name: str, info: dict, baseline: str = "vanilla") -> bool:
+    """Whether the e2e summary's arm ``name`` (its ``arms`` entry ``info``) runs what the
+    baseline runs: vanilla again (no environment) or vanilla compiled afresh (the compile
+    A/A's environment, ``recompiled``), with no engine overlay of its own, and not one of
+    an arm's later processes (those are read inside their arm's point)."""
+    from . import e2e
+
+    if name == baseline or not isinstance(info, dict):
+        return False
+    if info.get("arm") not in (None, name):          # ARM.pN, a replica
+        return False
+    env = info.get("env") or {}
+    return not info.get("engine") and (not env or set(env) == set(e2e.COMPILE_AA_ENV))
+
+
+def read_against_aa(doc: dict) -> dict:
+    """Every other arm's point read against the run's A/A arms, per scenario: the
+    ``fltune bench --e2e`` summary's ``against_aa`` (the project's fourth rule, stated
+    before the effect: an A/B inside the A/A's reach is a tie).
+
+    The floors are the rule's own (:func:`aa_floors` over every A/A arm's point of the
+    scenario, the widest of them: vanilla again and each fresh compile): a kernel effect
+    must clear ``max(1 %, the far A/A kernel edge)``, a wall effect the far A/A wall edge.
+    Why in the summary: session 38 read by hand that the served DB's 0.986 at prefill 8192
+    (session 37) sat inside what three fresh compiles of vanilla spread over (0.990-1.005),
+    and that its decode b1 wall 1.012 [1.010, 1.013], above every A/A arm's CI, is still
+    inside the widest one's reach (0.926: ±7.4 %), a tie; a reader of ``e2e-summary.json``
+    should not have to. Empty where the run had no A/A arm."""
+    arms = doc.get("arms") or {}
+    base = (doc.get("engine") or {}).get("baseline", "vanilla")
+    aa = [n for n, a in arms.items() if is_aa_arm(n, a, base)]
+    if not aa:
+        return {}
+    out: dict = {}
+    points = doc.get("points") or []
+    for sc in dict.fromkeys(p["scenario"] for p in points):
+        here = [p for p in points if p["scenario"] == sc]
+        floors = aa_floors([p for p in here if p["arm"] in aa])
+        if sc not in floors and sc not in floors.wall:
+            continue
+        kf, wf = floors.get(sc), floors.wall.get(sc)
+        verdicts = {}
+        for p in here:
+            if p["arm"] in aa or p["arm"] == base:
+                continue
+            v = {}
+            if kf is not None and kernel_ci_usable(p):
+                v["kernel"] = ("faster" if p["kernel_ci_low"] > 1 + kf else
+                               "slower" if p["kernel_ci_high"] < 1 - kf else "tie")
+            if wf is not None and enough_reps(p) and p.get("ci_low") is not None:
+                v["wall"] = ("faster" if p["ci_low"] > 1 + wf else
+                             "slower" if p["ci_high"] < 1 - wf else "tie")
+            verdicts[p["arm"]] = v
+        out[sc] = {"aa_arms": [n for n in aa if any(p["arm"] == n for p in here)],
+                   "kernel_floor": kf, "wall_floor": wf, "arms": verdicts}
+    return out
+
+
 #: repetitions a point needs before it can decide anything, and profiled rounds before its
 #: kernel CI can: a run cut by its time limit (``run_e2e(time_limit_s=)``) may have one,
 #: and one ratio makes a CI of zero width that would "prove" whatever it read
