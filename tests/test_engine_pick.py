@@ -425,6 +425,19 @@ def picked(tmp_path_factory):
     return plain, db, doc, calls
 
 
+def _kernel_measure(calls: list, kernel: dict):
+    """A recorded ``run_e2e``: every arm named in ``kernel`` gives each scenario a point with
+    wall CI [0.97, 1.05] and that kernel CI; the arms of each call are kept in ``calls``."""
+    def measure(model, arms, scenarios, **kw):
+        calls.append(arms)
+        pts = [{**_pt(a.name, s.name, 0.97, 1.05), "kernel_ci_low": kernel[a.name][0],
+                "kernel_ci_high": kernel[a.name][1],
+                "kernel_ratio_median": sum(kernel[a.name]) / 2, "kernel_n": 3}
+               for a in arms if a.name in kernel for s in scenarios]
+        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+    return measure
+
+
 def test_the_compile_aa_arm_is_vanilla_recompiled_and_its_floor_decides(picked, tmp_path):
     """compile_aa=True: an arm with vanilla's overlay and every compile cache off; a value
     whose only effect lies inside that arm's drift is not picked; the floors are stored."""
@@ -434,15 +447,8 @@ def test_the_compile_aa_arm_is_vanilla_recompiled_and_its_floor_decides(picked, 
     db = tmp_path / "aa.db"
     db.write_bytes(plain.read_bytes())
     calls: list = []
-
-    def measure(model, arms, scenarios, **kw):
-        calls.append(arms)
-        k = {"attention_backend=CPU_ATTN": (1.015, 1.02), model_step.COMPILE_AA_ARM: (0.97,
-                                                                                     0.975)}
-        pts = [{**_pt(a.name, s.name, 0.97, 1.05), "kernel_ci_low": k[a.name][0],
-                "kernel_ci_high": k[a.name][1], "kernel_ratio_median": sum(k[a.name]) / 2,
-                "kernel_n": 3} for a in arms if a.name in k for s in scenarios]
-        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+    measure = _kernel_measure(calls, {"attention_backend=CPU_ATTN": (1.015, 1.02),
+                                      model_step.COMPILE_AA_ARM: (0.97, 0.975)})
 
     scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
     doc = engine_pick.adjudicate_engine(
@@ -468,15 +474,9 @@ def test_several_compile_draws_in_an_engine_adjudication_and_on_the_command_line
     db = tmp_path / "draws.db"
     db.write_bytes(plain.read_bytes())
     calls: list = []
-    k = {"attention_backend=CPU_ATTN": (1.015, 1.02), "compile-aa": (0.998, 1.003),
-         "compile-aa2": (0.975, 1.004)}
-
-    def measure(model, arms, scenarios, **kw):
-        calls.append(arms)
-        pts = [{**_pt(a.name, s.name, 0.97, 1.05), "kernel_ci_low": k[a.name][0],
-                "kernel_ci_high": k[a.name][1], "kernel_ratio_median": sum(k[a.name]) / 2,
-                "kernel_n": 3} for a in arms if a.name in k for s in scenarios]
-        return SimpleNamespace(points=pts, engine_notes=[], arms_info={})
+    measure = _kernel_measure(calls, {"attention_backend=CPU_ATTN": (1.015, 1.02),
+                                      "compile-aa": (0.998, 1.003),
+                                      "compile-aa2": (0.975, 1.004)})
 
     scen = [e2e.Scenario("decode_b1", "decode", 1, 8, 9)]
     doc = engine_pick.adjudicate_engine(

@@ -975,3 +975,27 @@ def test_the_e2e_summary_reads_each_arm_against_its_aa_arms():
     render_e2e({**doc, "against_aa": r}, console=con)
     assert ("against the A/A decode_b1 calibrated: kernel faster, wall tie (floors kernel "
             "±1.0%, wall ±7.4% from aa, caa2)") in con.export_text(), con.export_text()
+
+
+def test_the_against_aa_script_reads_summaries_written_before_the_reading(tmp_path):
+    """benchmarks/against_aa.py applies the same reading to an older summary (no
+    ``against_aa`` in it), prints a line per scenario and arm, writes JSON with --out,
+    and names a file that is not a summary instead of a traceback."""
+    doc = {"model": "m", "device": "d", "vllm": "0", "engine": {"baseline": "vanilla"},
+           "arms": {"vanilla": {"env": {}}, "aa": {"env": {}},
+                    "calibrated": {"env": {"FLTUNE_DB": "x.db"}}},
+           "points": [{**_kpt("decode_b1", 0.98, 1.02, 0.998, 1.003), "arm": "aa", "n": 8},
+                      {**_kpt("decode_b1", 0.99, 1.01, 1.20, 1.21), "arm": "calibrated",
+                       "n": 8}]}
+    src, out, bad = tmp_path / "s.json", tmp_path / "r.json", tmp_path / "bad.json"
+    src.write_text(json.dumps(doc))
+    bad.write_text("[1, 2]")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "against_aa.py"
+    r = subprocess.run([sys.executable, str(script), str(src), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "decode_b1 calibrated: kernel faster, wall tie" in r.stdout, r.stdout
+    got = json.loads(out.read_text())[str(src)]
+    assert got["decode_b1"]["wall_floor"] == pytest.approx(0.02)
+    r = subprocess.run([sys.executable, str(script), str(bad)], capture_output=True, text=True)
+    assert r.returncode == 2 and "not a readable e2e summary" in r.stderr, r.stderr
