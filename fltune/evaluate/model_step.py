@@ -261,7 +261,7 @@ def compile_aa_arms(draws: int, engine: Optional[dict] = None) -> list:
     overlay, where it has one) in empty compile caches of each arm's own."""
     from . import e2e
 
-    return [e2e.Arm(n, dict(e2e.COMPILE_AA_ENV), *(() if engine is None else (engine,)))
+    return [e2e.Arm(n, dict(e2e.COMPILE_AA_ENV), dict(engine or {}))
             for n in compile_aa_arm_names(draws)]
 
 
