@@ -529,6 +529,27 @@ def test_kernel_rounds_give_a_paired_kernel_ratio_and_ci():
     assert p["kernel_us_arm"] == 80.0 and p["kernel_n"] == 1
 
 
+def test_the_kernel_profile_runs_round_by_round_so_a_cut_starves_no_scenario():
+    """Session 38 (H100, 300 s call): profiled scenario by scenario, three rounds each, the
+    limit left both prefill points without a round and without a kernel figure. Round by
+    round, a cut anywhere leaves every scenario within one round of the others, so two
+    rounds each (the kernel CI's minimum) come before any scenario's third."""
+    sc = [Scenario(n, "decode" if n.startswith("d") else "prefill", 1, 8, 9)
+          for n in ("d1", "d16", "d64", "p2048", "p8192")]
+    sched = e2e.profile_schedule(sc, 3)
+    assert [(r, s.name) for r, s in sched[:6]] == [
+        (0, "d1"), (0, "d16"), (0, "d64"), (0, "p2048"), (0, "p8192"), (1, "d1")]
+    assert len(sched) == 15 and sorted({r for r, _ in sched}) == [0, 1, 2]
+    for cut in range(len(sched) + 1):
+        done = {s.name: 0 for s in sc}
+        for r, s in sched[:cut]:
+            done[s.name] = r + 1
+        assert max(done.values()) - min(done.values()) <= 1, (cut, done)
+        if cut >= 10:
+            assert min(done.values()) >= 2
+    assert [r for r, _ in e2e.profile_schedule(sc[:1], 0)] == [0]   # at least one round
+
+
 def test_kernel_deltas_name_where_the_step_kernel_time_moved():
     """Session 19's split at batch-64 decode, from the two sides' top kernels: one GEMM
     replaced by another (absent on the other side: None), the largest moves first; a kernel

@@ -1242,32 +1242,34 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             # several profiled rounds, arms alternated like the timed ones: the kernel time
             # per step gets a paired CI of its own (the figure that resolves 1 % on the
             # H200, where the wall time could not)
-            for sc in scenarios:
-                for r in range(max(1, kernel_reps)):
-                    if out_of_time():
-                        # at the limit: no further round, in this scenario or the next
-                        time_limit_record().setdefault("kernel_rounds", {})[sc.name] = r
-                        break
-                    # (each arm's figures under its own name, whichever process ran them)
-                    live = profiled()
-                    arms_now = list(live)
-                    order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
-                    for arm_name in order:
-                        name = live[arm_name]
-                        try:
-                            res = measured_call(name, cmd="profile", scenario=asdict(sc))
-                            res.pop("ok", None)
-                        except WorkerError as e:
-                            res = {"error": str(e)}
-                        if name != arm_name:
-                            res["process"] = name
-                        slot = kernels.setdefault(sc.name, {})
-                        if arm_name not in slot:
-                            slot[arm_name] = dict(res, rounds_us=[])
-                        us = res.get("kernel_us_per_step")
-                        if us is not None:
-                            slot[arm_name]["rounds_us"].append(us)
-                progress("profiled", scenario=sc.name)
+            rounds_done = {sc.name: 0 for sc in scenarios}
+            for r, sc in profile_schedule(scenarios, kernel_reps):
+                if out_of_time():
+                    # at the limit: no further round; each scenario keeps the rounds it got
+                    time_limit_record()["kernel_rounds"] = dict(rounds_done)
+                    break
+                # (each arm's figures under its own name, whichever process ran them)
+                live = profiled()
+                arms_now = list(live)
+                order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
+                for arm_name in order:
+                    name = live[arm_name]
+                    try:
+                        res = measured_call(name, cmd="profile", scenario=asdict(sc))
+                        res.pop("ok", None)
+                    except WorkerError as e:
+                        res = {"error": str(e)}
+                    if name != arm_name:
+                        res["process"] = name
+                    slot = kernels.setdefault(sc.name, {})
+                    if arm_name not in slot:
+                        slot[arm_name] = dict(res, rounds_us=[])
+                    us = res.get("kernel_us_per_step")
+                    if us is not None:
+                        slot[arm_name]["rounds_us"].append(us)
+                rounds_done[sc.name] = r + 1
+                if r + 1 == max(1, kernel_reps):
+                    progress("profiled", scenario=sc.name)
         host_profiles: dict = {}
         if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
             for sc in scenarios:
@@ -1551,6 +1553,19 @@ def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
     before each)."""
     profile_s = kernel_rounds * rep_s * profile_share
     return _block_fits(now, rep_s + profile_s, deadline)
+
+
+def profile_schedule(scenarios: list, rounds: int) -> list:
+    """(round, scenario) in the order the kernel profile runs them: round by round, every
+    scenario once in each round (at least one round).
+
+    Why round-major: a profile the time limit cuts then leaves every scenario the same
+    number of rounds, give or take one. Scenario by scenario (until session 38) it gave the
+    first scenarios all their rounds and the last none: on the H100 a 300 s call profiled
+    decode b1, b16 and b64 three rounds each and both prefill points not at all, so their
+    kernel columns came back empty, where two rounds each (the kernel CI's minimum) would
+    have fitted all five."""
+    return [(r, sc) for r in range(max(1, rounds)) for sc in scenarios]
 
 
 def profile_share(block_s: dict, scenarios: list, inner: int, prefill_inner: int,
