@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from fltune.cli.render import against_aa_lines
 from fltune.evaluate.model_step import read_against_aa
 
 
@@ -38,13 +39,8 @@ def main(argv=None) -> int:
         out[path] = reading
         if not reading:
             print(f"{path}: no A/A arm (vanilla again or recompiled) to read against")
-        for sc, r in reading.items():
-            floors = ", ".join(f"{k} ±{r[k + '_floor']:.1%}" for k in ("kernel", "wall")
-                               if r.get(k + "_floor") is not None)
-            for arm, v in r["arms"].items():
-                print(f"{path}: {sc} {arm}: "
-                      + (", ".join(f"{k} {w}" for k, w in v.items()) or "no usable CI")
-                      + f" (floors {floors} from {', '.join(r['aa_arms'])})")
+        for sc, arm, verdict, floors in against_aa_lines(reading):
+            print(f"{path}: {sc} {arm}: {verdict or 'no usable CI'} {floors}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -599,6 +599,21 @@ def render_refine(doc: dict, console=None) -> None:
                   f"{pct(s['gap_after'])}; {doc['wall_s']:.1f} s")
 
 
+def against_aa_lines(reading) -> list:
+    """(scenario, arm, verdicts, floors) as plain text, one per arm of an ``against_aa``
+    reading (``model_step.read_against_aa``): verdicts "kernel faster, wall tie" ("" where
+    the arm had no usable CI), floors "(floors kernel ±1.0%, wall ±7.4% from aa, caa2)";
+    the table and ``benchmarks/against_aa.py`` print the same words."""
+    out = []
+    for sc, r in (reading or {}).items():
+        floors = ", ".join(f"{k} ±{r[k + '_floor']:.1%}" for k in ("kernel", "wall")
+                           if r.get(k + "_floor") is not None)
+        for name, v in r["arms"].items():
+            out.append((sc, name, ", ".join(f"{k} {w}" for k, w in v.items()),
+                        f"(floors {floors} from {', '.join(r['aa_arms'])})"))
+    return out
+
+
 def render_e2e(doc: dict, console=None) -> None:
     """`fltune bench --e2e`: per scenario x arm, the throughput ratio to the baseline (median
     [95% CI]) and GPU kernel µs per step (arm / baseline); then each arm's state."""
@@ -658,14 +673,9 @@ def render_e2e(doc: dict, console=None) -> None:
                   f"A/A arms show the instrument's noise: their CI half-width is the smallest "
                   f"effect that can be read)")
     # each arm read against the A/A arms (vanilla again, fresh compiles): what clears them
-    for sc, r in (doc.get("against_aa") or {}).items():
-        floors = ", ".join(f"{k} ±{r[k + '_floor']:.1%}" for k in ("kernel", "wall")
-                           if r.get(k + "_floor") is not None)
-        for name, v in r["arms"].items():
-            if v:
-                console.print(f"against the A/A {sc} {escape(name)}: "
-                              + ", ".join(f"{k} {w}" for k, w in v.items())
-                              + f" (floors {floors} from {', '.join(r['aa_arms'])})")
+    for sc, name, verdict, floors in against_aa_lines(doc.get("against_aa")):
+        if verdict:
+            console.print(f"against the A/A {sc} {escape(name)}: {verdict} {escape(floors)}")
     # several processes per arm: how far each process sat from its arm's mean
     for p in doc["points"]:
         offs = p.get("process_offsets_pct") or {}

@@ -301,8 +301,8 @@ def compile_aa_outcome(result, scenarios) -> tuple:
     names = sorted({n for n in info if is_compile_aa_arm(n)}
                    | {p["arm"] for p in aa_points}, key=lambda n: (len(n), n))
     # an arm that failed is named in the warnings; its scenarios keep what the others set
-    failed = [(n, (info.get(n) or {}).get("error")) for n in names
-              if isinstance(info.get(n), dict) and (info.get(n) or {}).get("error")]
+    failed = [(n, info[n]["error"]) for n in names
+              if isinstance(info.get(n), dict) and info[n].get("error")]
     gaps = floors_missing(aa_points, floors, scenarios,
                           {"error": "; ".join(f"{n}: {e}" for n, e in failed)} if failed
                           else None)
@@ -342,18 +342,18 @@ def wall_floors(aa_points: list) -> dict:
     [0.739, 0.882] and was undone as "measurably slower", which session 18, n=10, read
     0.9955 [0.974, 1.040]. An A/B inside the A/A's reach is a tie (the project's fourth
     rule), so a wall CI must clear the A/A's far edge before it counts."""
-    return _widest({p["scenario"]: max(0.0, 1.0 - p["ci_low"], p["ci_high"] - 1.0)}
+    return _widest((p["scenario"], max(0.0, 1.0 - p["ci_low"], p["ci_high"] - 1.0))
                    for p in aa_points if p.get("ci_low") is not None
                    and p.get("ci_high") is not None and enough_reps(p))
 
 
-def _widest(per_point) -> dict:
-    """Per scenario, the widest of the floors each A/A point sets (several compile draws,
-    :func:`compile_aa_draws`: the floor is the widest draw's, not the last one read)."""
+def _widest(pairs) -> dict:
+    """Per scenario, the widest of the (scenario, floor) pairs the A/A points set (several
+    compile draws, :func:`compile_aa_draws`: the floor is the widest draw's, not the last
+    one read)."""
     out: dict = {}
-    for one in per_point:
-        for sc, f in one.items():
-            out[sc] = max(out.get(sc, f), f)
+    for sc, f in pairs:
+        out[sc] = max(out.get(sc, f), f)
     return out
 
 
@@ -373,8 +373,8 @@ def kernel_floors(aa_points: list) -> dict:
     """Per scenario, the kernel floor a compile A/A's points set: the far edge of its kernel
     CI from 1.00, never below :data:`KERNEL_FLOOR` (points without a usable kernel CI set
     nothing)."""
-    return _widest({p["scenario"]: max(KERNEL_FLOOR, 1.0 - p["kernel_ci_low"],
-                                       p["kernel_ci_high"] - 1.0)}
+    return _widest((p["scenario"], max(KERNEL_FLOOR, 1.0 - p["kernel_ci_low"],
+                                       p["kernel_ci_high"] - 1.0))
                    for p in aa_points if kernel_ci_usable(p))
 
 
@@ -391,6 +391,11 @@ def is_aa_arm(name: str, info: dict, baseline: str = "vanilla") -> bool:
         return False
     env = info.get("env") or {}
     return not info.get("engine") and (not env or set(env) == set(e2e.COMPILE_AA_ENV))
+
+
+def _side(lo: float, hi: float, floor: float) -> str:
+    """A ratio CI [lo, hi] read against a floor either side of 1.00."""
+    return "faster" if lo > 1 + floor else "slower" if hi < 1 - floor else "tie"
 
 
 def read_against_aa(doc: dict) -> dict:
@@ -425,11 +430,9 @@ def read_against_aa(doc: dict) -> dict:
                 continue
             v = {}
             if kf is not None and kernel_ci_usable(p):
-                v["kernel"] = ("faster" if p["kernel_ci_low"] > 1 + kf else
-                               "slower" if p["kernel_ci_high"] < 1 - kf else "tie")
+                v["kernel"] = _side(p["kernel_ci_low"], p["kernel_ci_high"], kf)
             if wf is not None and enough_reps(p) and p.get("ci_low") is not None:
-                v["wall"] = ("faster" if p["ci_low"] > 1 + wf else
-                             "slower" if p["ci_high"] < 1 - wf else "tie")
+                v["wall"] = _side(p["ci_low"], p["ci_high"], wf)
             verdicts[p["arm"]] = v
         out[sc] = {"aa_arms": [n for n in aa if any(p["arm"] == n for p in here)],
                    "kernel_floor": kf, "wall_floor": wf, "arms": verdicts}
