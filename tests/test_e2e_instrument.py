@@ -1112,7 +1112,7 @@ def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
     sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
     res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
                       warmup=0, inner=1, out_dir=str(tmp_path / "out"), procs=2,
-                      host_profile=True)
+                      host_profile=True, kernel_profile=True, kernel_reps=2)
     info = res.arms_info
     assert sorted(info) == ["aa", "aa.p2", "vanilla", "vanilla.p2"]
     for name, i in info.items():
@@ -1137,6 +1137,14 @@ def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
     assert doc["points"][0]["process_offsets_pct"] == p["process_offsets_pct"]
     raw = json.loads((tmp_path / "out" / "e2e-raw.json").read_text())
     assert raw["procs"] == 2 and {s["replica"] for s in raw["samples"]} == {1, 2}
+    # the kernel profile (one process per arm: two arms a round) says what the time limit
+    # would have reserved for it and what its rounds cost
+    cost = raw["host"]["profile_cost"]
+    assert cost["reserved_s"] > 0 and cost["last_rep_s"] > 0
+    assert len(cost["round_s"]["decode_b2"]) == 2
+    # (on CPU the profile of CUDA kernels ends at once: its rounds cost next to nothing;
+    # each figure rounded to the millisecond)
+    assert cost["spent_s"] + 0.005 >= sum(cost["round_s"]["decode_b2"]) >= 0
 
 
 def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():

@@ -1140,6 +1140,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         samples: list = []
         order_names = [a.name for a in arms]
         reps_done, reps_asked = 0, reps
+        last_rep_s = 0.0        # the last repetition's duration (the profile's reservation)
 
         def time_limit_record() -> dict:
             """What the time limit cut (``host["time_limit"]``), made on its first cut."""
@@ -1212,8 +1213,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             if cut:
                 break
             reps_done += int(measured)
+            last_rep_s = time.monotonic() - t_rep
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
-                    time.monotonic(), time.monotonic() - t_rep, deadline,
+                    time.monotonic(), last_rep_s, deadline,
                     kernel_reps if kernel_profile else 0,
                     profile_share(block_s, scenarios, inner, prefill_inner, n_procs)):
                 time_limit_record()
@@ -1243,7 +1245,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             # per step gets a paired CI of its own (the figure that resolves 1 % on the
             # H200, where the wall time could not)
             rounds_done = {sc.name: 0 for sc in scenarios}
+            # what the time limit reserved for the profile against what it cost
+            # (``host["profile_cost"]``): session 38's slow host ran all its repetitions
+            # and then had no time for two scenarios' profile, and nothing said by how
+            # much :func:`profile_share` had underestimated it
+            cost = host["profile_cost"] = {
+                "reserved_s": round(max(1, kernel_reps) * last_rep_s * profile_share(
+                    block_s, scenarios, inner, prefill_inner, n_procs), 2),
+                "last_rep_s": round(last_rep_s, 2), "round_s": {}}
+            t_prof = time.monotonic()
             for r, sc in profile_schedule(scenarios, kernel_reps):
+                t_round = time.monotonic()
                 if out_of_time():
                     # at the limit: no further round; each scenario keeps the rounds it got
                     time_limit_record()["kernel_rounds"] = dict(rounds_done)
@@ -1268,8 +1280,11 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     if us is not None:
                         slot[arm_name]["rounds_us"].append(us)
                 rounds_done[sc.name] = r + 1
+                cost["round_s"].setdefault(sc.name, []).append(
+                    round(time.monotonic() - t_round, 3))
                 if r + 1 == max(1, kernel_reps):
                     progress("profiled", scenario=sc.name)
+            cost["spent_s"] = round(time.monotonic() - t_prof, 3)
         host_profiles: dict = {}
         if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
             for sc in scenarios:
