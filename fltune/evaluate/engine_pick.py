@@ -407,8 +407,12 @@ def _list_cudagraph(cfg: dict, device_type: str) -> Listing:
     top = ENGINE_MAX_BATCHED_TOKENS["cuda"]
     out.default = str(ceiling)
     out.values = [str(n) for n in CUDAGRAPH_SIZES if ceiling < n <= top]
+    # (the instrument leaves max_num_seqs at vLLM's GPU default, 256 or more, so twice it is
+    # never the smaller there; an --engine max_num_seqs below 256 lowers vLLM's ceiling, and
+    # the values listed stay above it)
     out.notes.append(f"vLLM's default captures up to {ceiling} tokens"
                      + ("" if cap else " (this machine shows no CUDA device: read as Hopper)")
+                     + " (or 2 x max_num_seqs where that is smaller)"
                      + f"; values above it up to max_num_batched_tokens ({top}); each value's "
                      "engine captures more graphs at its start (every 16 tokens above 256)")
     return out
