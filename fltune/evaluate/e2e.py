@@ -1250,8 +1250,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             # and then had no time for two scenarios' profile, and nothing said by how
             # much :func:`profile_share` had underestimated it
             cost = host["profile_cost"] = {
-                "reserved_s": round(max(1, kernel_reps) * last_rep_s * profile_share(
-                    block_s, scenarios, inner, prefill_inner, n_procs), 2),
+                "reserved_s": round(_profile_reserve_s(last_rep_s, kernel_reps, profile_share(
+                    block_s, scenarios, inner, prefill_inner, n_procs)), 2),
                 "last_rep_s": round(last_rep_s, 2), "round_s": {}}
             t_prof = time.monotonic()
             for r, sc in profile_schedule(scenarios, kernel_reps):
@@ -1566,8 +1566,15 @@ def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
     with 135 s of its 390 s unused: three profile rounds had cost about one repetition, not
     the four estimated. A round that no longer fits is still skipped (``out_of_time``
     before each)."""
-    profile_s = kernel_rounds * rep_s * profile_share
-    return _block_fits(now, rep_s + profile_s, deadline)
+    return _block_fits(now, rep_s + _profile_reserve_s(rep_s, kernel_rounds, profile_share),
+                       deadline)
+
+
+def _profile_reserve_s(rep_s: float, kernel_rounds: int, profile_share: float) -> float:
+    """The time :func:`_reps_fit` keeps for the kernel profile after the repetitions:
+    ``kernel_rounds`` rounds, each ``profile_share`` of a repetition as long as ``rep_s``
+    (recorded against what the rounds cost in ``host["profile_cost"]``)."""
+    return kernel_rounds * rep_s * profile_share
 
 
 def profile_schedule(scenarios: list, rounds: int) -> list:
