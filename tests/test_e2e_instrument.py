@@ -1110,9 +1110,12 @@ def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
     the processes' geometric means and says how far each process sat from its arm; the
     host profile runs in each arm's first process only; the summary records it all."""
     sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
+    events = []
     res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
-                      warmup=0, inner=1, out_dir=str(tmp_path / "out"), procs=2,
-                      host_profile=True, kernel_profile=True, kernel_reps=2)
+                      warmup=1, inner=1, out_dir=str(tmp_path / "out"), procs=2,
+                      host_profile=True, kernel_profile=True, kernel_reps=2,
+                      progress=lambda ev, **kw: events.append((ev, kw.get("warmup"),
+                                                               kw.get("round"))))
     info = res.arms_info
     assert sorted(info) == ["aa", "aa.p2", "vanilla", "vanilla.p2"]
     for name, i in info.items():
@@ -1137,14 +1140,19 @@ def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
     assert doc["points"][0]["process_offsets_pct"] == p["process_offsets_pct"]
     raw = json.loads((tmp_path / "out" / "e2e-raw.json").read_text())
     assert raw["procs"] == 2 and {s["replica"] for s in raw["samples"]} == {1, 2}
-    # the kernel profile (one process per arm: two arms a round) says what the time limit
-    # would have reserved for it and what its rounds cost
+    # the kernel profile's first round runs after the first warm-up repetition, before the
+    # timed ones, its second after them
+    timeline = [(ev, w, r) for ev, w, r in events if ev in ("rep", "profiled")]
+    assert timeline == [("rep", True, None), ("profiled", None, 0), ("rep", False, None),
+                        ("rep", False, None), ("profiled", None, 1)]
+    # (one process per arm: two arms a round) and the time limit keeps what the first round
+    # cost for each later one; the raw file says so beside what the rounds cost (on CPU the
+    # profile of CUDA kernels ends at once: next to nothing; rounded to the millisecond)
     cost = raw["host"]["profile_cost"]
-    assert cost["reserved_s"] > 0 and cost["last_rep_s"] > 0
-    assert len(cost["round_s"]["decode_b2"]) == 2
-    # (on CPU the profile of CUDA kernels ends at once: its rounds cost next to nothing;
-    # each figure rounded to the millisecond)
-    assert cost["spent_s"] + 0.005 >= sum(cost["round_s"]["decode_b2"]) >= 0
+    assert cost["reserved_s"] == pytest.approx(cost["first_round_s"], abs=0.006)
+    assert cost["first_round_s"] + 0.002 >= cost["round_s"]["decode_b2"][0] >= 0
+    assert len(cost["round_s"]["decode_b2"]) == 2 and cost["last_rep_s"] > 0
+    assert cost["spent_s"] + 0.002 >= cost["round_s"]["decode_b2"][1] >= 0
 
 
 def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():
@@ -1158,28 +1166,12 @@ def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():
 def test_a_time_limit_keeps_room_for_the_next_repetition_and_the_kernel_profile():
     fit = e2e._reps_fit
     m = e2e.TIME_LIMIT_MARGIN_S
-    # 10 s repetitions of 3 runs each; a profile round ~ 2/3 of one: 6.7 s a round
-    assert fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m, kernel_rounds=3, profile_share=2 / 3)
-    assert not fit(0.0, 10.0, 10.0 + 3 * 20.0 / 3 + m - 0.1, kernel_rounds=3,
-                   profile_share=2 / 3)
+    # 10 s repetitions; two more profile rounds left, as long as the first (8 s each)
+    assert fit(0.0, 10.0, 10.0 + 16.0 + m, profile_left_s=16.0)
+    assert not fit(0.0, 10.0, 10.0 + 16.0 + m - 0.1, profile_left_s=16.0)
     # no kernel profile (CPU): only the next repetition and the margin
-    assert fit(100.0, 10.0, 110.0 + m, kernel_rounds=0, profile_share=2 / 3)
-    assert not fit(100.0, 10.0, 109.9 + m, kernel_rounds=0, profile_share=2 / 3)
-
-
-def test_a_profile_round_costs_its_share_of_the_repetition_by_scenario_and_process():
-    share = e2e.profile_share
-    dec, pre = Scenario("decode_b1", "decode", 1, 16, 65), Scenario("p", "prefill", 1, 64, 1)
-    # decode alone: two profiled runs against inner timed ones (the estimate before)
-    assert share({"decode_b1": 6.0}, [dec], 3, 9) == pytest.approx(2 / 3)
-    # prefill: one profiled run against prefill_inner timed ones
-    assert share({"p": 6.0}, [pre], 3, 9) == pytest.approx(1 / 9)
-    # both, each weighed by its block's time; K processes timed, one profiled
-    assert share({"decode_b1": 6.0, "p": 2.0}, [dec, pre], 3, 9) == pytest.approx(
-        (6.0 * 2 / 3 + 2.0 / 9) / 8.0)
-    assert share({"decode_b1": 6.0}, [dec], 3, 9, procs=4) == pytest.approx(2 / 12)
-    # no block timed yet: the decode estimate
-    assert share({}, [dec, pre], 3, 9) == pytest.approx(2 / 3)
+    assert fit(100.0, 10.0, 110.0 + m, profile_left_s=0.0)
+    assert not fit(100.0, 10.0, 109.9 + m, profile_left_s=0.0)
 
 
 # ---- tensor parallelism: the ranks' kernels and counters ------------------------------------

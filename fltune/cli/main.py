@@ -494,7 +494,7 @@ def cmd_bench_e2e(a) -> int:
             con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {kw['rep'] + 1 - (0 if kw['warmup'] else warmup)} "
                       f"{kw['scenario']}")
         elif event == "profiled":
-            con.print(f"kernel profile {kw['scenario']}")
+            con.print(f"kernel profile round {kw.get('round', 0) + 1} {kw['scenario']}")
         elif event == "host_profiled":
             con.print(f"host profile {kw['scenario']}")
         elif event == "time_limit":

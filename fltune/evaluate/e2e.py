@@ -816,11 +816,12 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     2-core machine would retake without end; recorded in the result's ``host``.
     ``time_limit_s`` (default ``FLTUNE_E2E_TIME_LIMIT``, else none; 0 there = none): the
     whole call, engine starts included, should end within it — fewer repetitions than
-    ``reps`` are measured when the next one and the kernel profile would not fit
+    ``reps`` are measured when the next one and the rest of the kernel profile (its
+    later rounds, each as long as its first, which runs during the warm-up) would not fit
     (:func:`_reps_fit`), no scenario block (warm-up included) starts unless one as long as
     its last ends :data:`TIME_LIMIT_MARGIN_S` before the limit (:func:`_block_fits`;
     ``cut``: where; a repetition cut midway keeps its finished scenarios, paired, but is not
-    counted in ``reps``, and a run cut so has no kernel profile), and no kernel-profile
+    counted in ``reps``, and a run cut so keeps only the profile's first round), and no kernel-profile
     round starts within the margin (``kernel_rounds`` per scenario cut); the result
     says so (``host["time_limit"]``, ``reps`` = those measured). Why: a GPU machine's call
     has a hard limit, and a run killed at it leaves no figure (session 10's engine pick lost
@@ -1158,8 +1159,83 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             return bool(deadline) and not _block_fits(time.monotonic(),
                                                       block_s.get(scenario, 0.0), deadline)
 
+        def profiled() -> dict:
+            """arm -> the process its profiles run in: device time and host calls need one
+            per arm, its lowest-numbered live process (the first, unless that one died)."""
+            out: dict = {}
+            for n in procs:
+                base, j = replica_of[n]
+                if base not in out or j < replica_of[out[base]][1]:
+                    out[base] = n
+            return out
+
+        # ---- kernel profile: several rounds, arms alternated like the timed ones ---------
+        # (the kernel time per step gets a paired CI of its own: the figure that resolves
+        # 1 % on the H200, where the wall time could not)
+        kernels: dict = {}
+        rounds_done = {sc.name: 0 for sc in scenarios}
+        cost: dict = {}
+        if kernel_profile:
+            cost = host["profile_cost"] = {"round_s": {}}
+
+        def profile_round(r: int, sc) -> None:
+            """Round ``r`` of the kernel profile of scenario ``sc``: each arm's profiled
+            process once, the arms' order rotated by round; each arm's figures under its
+            own name, whichever process ran them."""
+            t_round = time.monotonic()
+            live = profiled()
+            arms_now = list(live)
+            order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
+            for arm_name in order:
+                name = live[arm_name]
+                try:
+                    res = measured_call(name, cmd="profile", scenario=asdict(sc))
+                    res.pop("ok", None)
+                except WorkerError as e:
+                    res = {"error": str(e)}
+                if name != arm_name:
+                    res["process"] = name
+                slot = kernels.setdefault(sc.name, {})
+                if arm_name not in slot:
+                    slot[arm_name] = dict(res, rounds_us=[])
+                us = res.get("kernel_us_per_step")
+                if us is not None:
+                    slot[arm_name]["rounds_us"].append(us)
+            rounds_done[sc.name] = r + 1
+            cost["round_s"].setdefault(sc.name, []).append(round(time.monotonic() - t_round, 3))
+            progress("profiled", scenario=sc.name, round=r)
+
+        # The first round runs after the first warm-up repetition, and what it cost is
+        # what the time limit keeps for each later round (:func:`_reps_fit`). Why: until
+        # session 39 the limit reserved an estimate (a share of a repetition: two profiled
+        # runs against the timed ones), which left out the profiler's own work, the trace
+        # written and read back per call; on session 38's slow H100 every repetition ran
+        # and then both prefill points got no round and no kernel figure. Measured, the
+        # reservation is what a round costs on this host, and a run the limit cuts during
+        # its repetitions still has one round of every scenario. After one warm-up
+        # repetition, so that no first-call work at a scenario's shapes (an autotune's
+        # trial kernels, a workspace grown) lands in the profile; before the second, so
+        # that whatever the profile leaves behind (its trace's memory, a heap to collect)
+        # is gone by the first timed run. CUPTI itself is warmed at each worker's start
+        # (``e2e_worker.main``).
+        reserve_s = 0.0         # what the later profile rounds take, by the first one
+
+        def first_profile_round() -> float:
+            t_first = time.monotonic()
+            for r, sc in profile_schedule(scenarios, kernel_reps)[:len(scenarios)]:
+                if out_of_time():
+                    time_limit_record()["kernel_rounds"] = dict(rounds_done)
+                    break
+                profile_round(r, sc)
+            spent = time.monotonic() - t_first
+            cost["first_round_s"] = round(spent, 3)
+            cost["reserved_s"] = round((max(1, kernel_reps) - 1) * spent, 2)
+            return (max(1, kernel_reps) - 1) * spent
+
         for r in range(warmup + reps):
             measured = r >= warmup
+            if kernel_profile and r == min(1, warmup):
+                reserve_s = first_profile_round()
             t_rep = time.monotonic()
             cut = False
             for sc in scenarios:
@@ -1215,75 +1291,30 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             reps_done += int(measured)
             last_rep_s = time.monotonic() - t_rep
             if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
-                    time.monotonic(), last_rep_s, deadline,
-                    kernel_reps if kernel_profile else 0,
-                    profile_share(block_s, scenarios, inner, prefill_inner, n_procs)):
+                    time.monotonic(), last_rep_s, deadline, reserve_s):
                 time_limit_record()
                 progress("time_limit", reps_done=reps_done, reps=reps)
                 break
         reps = reps_done
 
-        def profiled() -> dict:
-            """arm -> the process its profiles run in: device time and host calls need one
-            per arm, its lowest-numbered live process (the first, unless that one died)."""
-            out: dict = {}
-            for n in procs:
-                base, j = replica_of[n]
-                if base not in out or j < replica_of[out[base]][1]:
-                    out[base] = n
-            return out
-
-        # ---- kernel profile -----------------------------------------------------------
-        kernels: dict = {}
+        # ---- kernel profile: the rounds after the first ----------------------------------
         if kernel_profile and deadline and ("cut" in host.get("time_limit", {})
                                             or not samples):
             # cut by the limit, or nothing timed: a profile round would start inside the
-            # margin, and kernel rounds without wall pairs make no point
-            time_limit_record()["kernel_rounds"] = {sc.name: 0 for sc in scenarios}
+            # margin, and kernel rounds without wall pairs make no point (the first round's
+            # figures stay)
+            time_limit_record()["kernel_rounds"] = dict(rounds_done)
         elif kernel_profile:
-            # several profiled rounds, arms alternated like the timed ones: the kernel time
-            # per step gets a paired CI of its own (the figure that resolves 1 % on the
-            # H200, where the wall time could not)
-            rounds_done = {sc.name: 0 for sc in scenarios}
-            # what the time limit reserved for the profile against what it cost
-            # (``host["profile_cost"]``): session 38's slow host ran all its repetitions
-            # and then had no time for two scenarios' profile, and nothing said by how
-            # much :func:`profile_share` had underestimated it
-            cost = host["profile_cost"] = {
-                "reserved_s": round(_profile_reserve_s(last_rep_s, kernel_reps, profile_share(
-                    block_s, scenarios, inner, prefill_inner, n_procs)), 2),
-                "last_rep_s": round(last_rep_s, 2), "round_s": {}}
+            cost["last_rep_s"] = round(last_rep_s, 2)
             t_prof = time.monotonic()
             for r, sc in profile_schedule(scenarios, kernel_reps):
-                t_round = time.monotonic()
+                if r < rounds_done[sc.name]:
+                    continue                # the first round, run during the warm-up
                 if out_of_time():
                     # at the limit: no further round; each scenario keeps the rounds it got
                     time_limit_record()["kernel_rounds"] = dict(rounds_done)
                     break
-                # (each arm's figures under its own name, whichever process ran them)
-                live = profiled()
-                arms_now = list(live)
-                order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
-                for arm_name in order:
-                    name = live[arm_name]
-                    try:
-                        res = measured_call(name, cmd="profile", scenario=asdict(sc))
-                        res.pop("ok", None)
-                    except WorkerError as e:
-                        res = {"error": str(e)}
-                    if name != arm_name:
-                        res["process"] = name
-                    slot = kernels.setdefault(sc.name, {})
-                    if arm_name not in slot:
-                        slot[arm_name] = dict(res, rounds_us=[])
-                    us = res.get("kernel_us_per_step")
-                    if us is not None:
-                        slot[arm_name]["rounds_us"].append(us)
-                rounds_done[sc.name] = r + 1
-                cost["round_s"].setdefault(sc.name, []).append(
-                    round(time.monotonic() - t_round, 3))
-                if r + 1 == max(1, kernel_reps):
-                    progress("profiled", scenario=sc.name)
+                profile_round(r, sc)
             cost["spent_s"] = round(time.monotonic() - t_prof, 3)
         host_profiles: dict = {}
         if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
@@ -1557,24 +1588,12 @@ def start_waves(arms: list) -> list:
     return [w for w in waves if w]
 
 
-def _reps_fit(now: float, rep_s: float, deadline: float, kernel_rounds: int,
-              profile_share: float) -> bool:
-    """Whether one more repetition (as long as the last, ``rep_s``) and then the kernel
-    profile (``kernel_rounds`` rounds, each ``profile_share`` of a repetition:
-    :func:`profile_share`) still end before ``deadline``. Until session 15 the share was
-    doubled, and on the H200 Qwen3-0.6B's served-DB run stopped after 3 of 8 repetitions
-    with 135 s of its 390 s unused: three profile rounds had cost about one repetition, not
-    the four estimated. A round that no longer fits is still skipped (``out_of_time``
-    before each)."""
-    return _block_fits(now, rep_s + _profile_reserve_s(rep_s, kernel_rounds, profile_share),
-                       deadline)
-
-
-def _profile_reserve_s(rep_s: float, kernel_rounds: int, profile_share: float) -> float:
-    """The time :func:`_reps_fit` keeps for the kernel profile after the repetitions:
-    ``kernel_rounds`` rounds, each ``profile_share`` of a repetition as long as ``rep_s``
-    (recorded against what the rounds cost in ``host["profile_cost"]``)."""
-    return kernel_rounds * rep_s * profile_share
+def _reps_fit(now: float, rep_s: float, deadline: float, profile_left_s: float) -> bool:
+    """Whether one more repetition (as long as the last, ``rep_s``) and then the rest of the
+    kernel profile (``profile_left_s``: its later rounds, each as long as the first, which
+    ran during the warm-up) still end before ``deadline``. A round that no longer fits is
+    still skipped (``out_of_time`` before each)."""
+    return _block_fits(now, rep_s + profile_left_s, deadline)
 
 
 def profile_schedule(scenarios: list, rounds: int) -> list:
@@ -1588,25 +1607,6 @@ def profile_schedule(scenarios: list, rounds: int) -> list:
     kernel columns came back empty, where two rounds each (the kernel CI's minimum) would
     have fitted all five."""
     return [(r, sc) for r in range(max(1, rounds)) for sc in scenarios]
-
-
-def profile_share(block_s: dict, scenarios: list, inner: int, prefill_inner: int,
-                  procs: int = 1) -> float:
-    """What one kernel-profile round costs, as a share of a repetition: a round runs one
-    process per arm once per scenario under the profiler, decode as two runs (a long
-    and a one-token one) and prefill as one, where a repetition ran ``inner`` (decode) or
-    ``prefill_inner`` (prefill) runs in each of the arm's ``procs`` processes; each
-    scenario weighed by its last block's duration (``block_s``). The profiler's own cost
-    is covered by what a repetition spends beyond its runs (the probe gate's retakes and
-    waits). Session 33 noted the one-figure estimate before (``2 / inner`` of a repetition)
-    ignored prefill's 3x runs and so stopped prefill runs early."""
-    total = sum(block_s.get(sc.name, 0.0) for sc in scenarios)
-    if total <= 0:
-        return 2.0 / max(1, inner * procs)
-    cost = sum(block_s.get(sc.name, 0.0)
-               * (2.0 / inner if sc.kind == "decode" else 1.0 / prefill_inner)
-               for sc in scenarios)
-    return cost / (total * procs)
 
 
 def read_counters(path: str | None):
