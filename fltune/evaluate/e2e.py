@@ -1206,8 +1206,8 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             progress("profiled", scenario=sc.name, round=r)
 
         # The first round runs after the first warm-up repetition, and what it cost is
-        # what the time limit keeps for each later round (:func:`_reps_fit`). Why: until
-        # session 39 the limit reserved an estimate (a share of a repetition: two profiled
+        # what the time limit keeps for each later round (:func:`_reps_fit`). Why: before
+        # session 40 the limit reserved an estimate (a share of a repetition: two profiled
         # runs against the timed ones), which left out the profiler's own work, the trace
         # written and read back per call; on session 38's slow H100 every repetition ran
         # and then both prefill points got no round and no kernel figure. Measured, the
@@ -1220,17 +1220,26 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         # (``e2e_worker.main``).
         reserve_s = 0.0         # what the later profile rounds take, by the first one
 
-        def first_profile_round() -> float:
-            t_first = time.monotonic()
-            for r, sc in profile_schedule(scenarios, kernel_reps)[:len(scenarios)]:
+        def profile_rounds(schedule: list) -> None:
+            """The (round, scenario) pairs of ``schedule`` not profiled yet, each unless the
+            limit is reached (then no further one: each scenario keeps the rounds it got)."""
+            for r, sc in schedule:
+                if r < rounds_done[sc.name]:
+                    continue
                 if out_of_time():
                     time_limit_record()["kernel_rounds"] = dict(rounds_done)
                     break
                 profile_round(r, sc)
+
+        def first_profile_round() -> float:
+            """Round 0 of every scenario; the time the later rounds take, by its cost."""
+            t_first = time.monotonic()
+            profile_rounds(profile_schedule(scenarios, kernel_reps)[:len(scenarios)])
             spent = time.monotonic() - t_first
+            left = (max(1, kernel_reps) - 1) * spent
             cost["first_round_s"] = round(spent, 3)
-            cost["reserved_s"] = round((max(1, kernel_reps) - 1) * spent, 2)
-            return (max(1, kernel_reps) - 1) * spent
+            cost["reserved_s"] = round(left, 2)
+            return left
 
         for r in range(warmup + reps):
             measured = r >= warmup
@@ -1307,14 +1316,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         elif kernel_profile:
             cost["last_rep_s"] = round(last_rep_s, 2)
             t_prof = time.monotonic()
-            for r, sc in profile_schedule(scenarios, kernel_reps):
-                if r < rounds_done[sc.name]:
-                    continue                # the first round, run during the warm-up
-                if out_of_time():
-                    # at the limit: no further round; each scenario keeps the rounds it got
-                    time_limit_record()["kernel_rounds"] = dict(rounds_done)
-                    break
-                profile_round(r, sc)
+            profile_rounds(profile_schedule(scenarios, kernel_reps))   # (round 0: done)
             cost["spent_s"] = round(time.monotonic() - t_prof, 3)
         host_profiles: dict = {}
         if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
