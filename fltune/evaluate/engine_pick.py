@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..dispatch.manifest import model_key
 from ..store import CalibrationDB, DBError
@@ -879,30 +879,46 @@ def _reported_key_any(result) -> Optional[str]:
 
 # ---- applying picks -------------------------------------------------------------------------
 
-def serve_engine_args(picks: Sequence, vllm_args: Sequence[str]) -> tuple:
-    """(extra ``vllm serve`` arguments, lines to print) for the served model's picks
-    (``dispatch.manifest.EnginePick``): a 'pick' adds its choice's flag unless the user set
-    that choice (the user's setting wins, and the line says so); a 'default' adds nothing;
-    a choice this fltune does not know is reported, not guessed."""
-    extra, lines = [], []
+def _picks_in_force(picks: Sequence, set_already: Callable) -> Iterator[tuple]:
+    """One rule for `fltune serve` and the e2e arms that stand for it, per pick
+    (``dispatch.manifest.EnginePick``) in order: ``("default", p, None)`` where vLLM's
+    default was kept; ``("unknown", p, None)`` for a choice this fltune does not know
+    (reported, never guessed); ``("clash", p, what)`` where ``set_already(choice, pick)``
+    says the user or the run set that choice itself (``what``: how; theirs wins);
+    ``("apply", p, choice)`` otherwise. Why one generator: serve and the instrument must
+    agree on which picks a served model gets, or the instrument measures another
+    configuration than the one a user runs."""
     for p in picks:
-        if p.decision != "pick":
-            lines.append(f"engine-wide {p.choice}: vLLM's default kept (measured: {p.reason})")
+        if not p.picks:
+            yield "default", p, None
             continue
         ch = CHOICES.get(p.choice)
         if ch is None:
+            yield "unknown", p, None
+            continue
+        what = set_already(ch, p)
+        yield ("clash", p, what) if what else ("apply", p, ch)
+
+
+def serve_engine_args(picks: Sequence, vllm_args: Sequence[str]) -> tuple:
+    """(extra ``vllm serve`` arguments, lines to print) for the served model's picks
+    (:func:`_picks_in_force`): a 'pick' adds its choice's flag unless the user set that
+    choice (the user's setting wins, and the line says so); a 'default' adds nothing."""
+    extra, lines = [], []
+    for kind, p, x in _picks_in_force(picks, lambda ch, p: ch.user_setting(vllm_args)):
+        if kind == "default":
+            lines.append(f"engine-wide {p.choice}: vLLM's default kept (measured: {p.reason})")
+        elif kind == "unknown":
             lines.append(f"engine-wide {p.choice}={p.value}: not applied (this fltune does not "
                          f"know the choice {p.choice!r})")
-            continue
-        mine = ch.user_setting(vllm_args)
-        if mine:
-            lines.append(f"engine-wide {p.choice}: your {mine} wins over the measured pick "
+        elif kind == "clash":
+            lines.append(f"engine-wide {p.choice}: your {x} wins over the measured pick "
                          f"{p.value}")
-            continue
-        extra += ch.serve_args(p.value)
-        lines.append(f"engine-wide {p.choice}={p.value}: measured pick applied "
-                     f"({' '.join(ch.serve_args(p.value))}; override by passing "
-                     f"{ch.flag} yourself)")
+        else:
+            extra += x.serve_args(p.value)
+            lines.append(f"engine-wide {p.choice}={p.value}: measured pick applied "
+                         f"({' '.join(x.serve_args(p.value))}; override by passing "
+                         f"{x.flag} yourself)")
     return extra, lines
 
 
@@ -910,28 +926,25 @@ def engine_overlay(picks: Sequence, set_already: Callable[[dict], list]) -> tupl
     """(``Arm.engine`` overlay, lines): the e2e instrument's counterpart of
     :func:`serve_engine_args`, so an arm reproduces a served configuration. A 'pick' adds
     its choice's overlay unless ``set_already(overlay)`` names keys the run sets itself (the
-    run's setting wins, as the user's flag does for serve); 'default' adds nothing; a choice
-    this fltune does not know is reported."""
+    run's setting wins, as the user's flag does for serve); 'default' adds nothing, silently
+    (the arm's engine is vLLM's there)."""
     from .e2e import merge_engine
 
     out: dict = {}
     lines = []
-    for p in picks:
-        if not p.picks:
-            continue
-        ch = CHOICES.get(p.choice)
-        if ch is None:
+    def run_sets(ch, p) -> str:
+        return ", ".join(set_already(ch.overlay(p.value)))
+
+    for kind, p, x in _picks_in_force(picks, run_sets):
+        if kind == "unknown":
             lines.append(f"engine-wide {p.choice}={p.value} not applied (this fltune does not "
                          f"know the choice)")
-            continue
-        over = ch.overlay(p.value)
-        clash = set_already(over)
-        if clash:
+        elif kind == "clash":
             lines.append(f"engine-wide {p.choice}={p.value} not applied: the run sets "
-                         f"{', '.join(clash)} itself")
-            continue
-        out = merge_engine(out, over)
-        lines.append(f"engine-wide {p.choice}={p.value} applied, as `fltune serve` applies it")
+                         f"{x} itself")
+        elif kind == "apply":
+            out = merge_engine(out, x.overlay(p.value))
+            lines.append(f"engine-wide {p.choice}={p.value} applied, as `fltune serve` applies it")
     return out, lines
 
 
