@@ -177,6 +177,8 @@ for p in d['points']:
     print(p['scenario'], p['arm'], 'n', p['n'], 'wall', round(p['ratio_median'], 3), [round(p['ci_low'], 3), round(p['ci_high'], 3)],
           'kernel', p.get('kernel_ratio_median') and round(p['kernel_ratio_median'], 4), p.get('kernel_ci_low') and [round(p['kernel_ci_low'], 4), round(p['kernel_ci_high'], 4)])
 print('notes', d.get('engine_notes'))" "$1"
+  # session 40's first profile round (during the warm-up): does it read like the later ones?
+  python3 benchmarks/profile_round_check.py "$1" --json "$(dirname "$1")/profile-rounds.json" || true
 }
 sgl_install() {
   if [ ! -d /tmp/sgsite/sglang ]; then
@@ -338,6 +340,8 @@ gdnpick) {
     --out "$W/adj" --json > "$W/pick.json"; echo "adjudicate rc=$?"
   python3 -m fltune report --db $DB --wide 2>&1 | sed -n '/engine-wide/,$p' | head -30
   [ -f "$W/adj/e2e-raw.json" ] && python3 benchmarks/probe_check.py "$W/adj/e2e-raw.json" | tee "$W/probe-check.txt"
+  [ -f "$W/adj/e2e-raw.json" ] && python3 benchmarks/profile_round_check.py "$W/adj/e2e-raw.json" \
+    --json "$W/profile-rounds.json" | tee "$W/profile-rounds.txt"
   cp $DB "$W/"
   find "$W" -name '*.log' -size +200k -exec gzip {} \;
   rm -rf "$W"/*/model
