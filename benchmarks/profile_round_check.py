@@ -144,7 +144,13 @@ def main(argv=None) -> int:
     ap.add_argument("--share", type=float, default=0.8)
     ap.add_argument("--json", default=None, help="write rows, verdict and cost here")
     a = ap.parse_args(argv)
-    raw = load(a.raw)
+    try:
+        raw = load(a.raw)
+    except (OSError, ValueError) as e:     # missing, unreadable, not gzip, not JSON
+        print(f"profile_round_check: cannot read {a.raw}: {e} (give the e2e-raw.json or "
+              f"e2e-raw.json.gz that `fltune bench --e2e --out DIR` writes in DIR)",
+              file=sys.stderr)
+        return 2
     rows = round_offsets(raw, a.baseline)
     v = verdict(rows, a.tol, a.share)
     cost = profile_cost(raw)
