@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import json
 import os
 import statistics
 import sys
@@ -23,18 +22,18 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fltune.evaluate.e2e import samples_by_process  # noqa: E402
+from fltune.evaluate.results_file import ResultsFileError, read_json, resolve  # noqa: E402
 from fltune.integrations.vllm.e2e_worker import compile_start_state  # noqa: E402
 
 SCENARIOS = ("decode_b1", "decode_b16", "decode_b64", "prefill_2048", "prefill_8192")
 
 
 def _read(path: str) -> str | None:
-    for p in (path, path + ".gz"):
-        if os.path.exists(p):
-            opener = gzip.open if p.endswith(".gz") else open
-            with opener(p, "rt", errors="replace") as f:
-                return f.read()
-    return None
+    p = resolve(path)                 # a log kept gzipped reads too
+    if not os.path.exists(p):
+        return None
+    with (gzip.open if p.endswith(".gz") else open)(p, "rt", errors="replace") as f:
+        return f.read()
 
 
 def log_state(text: str | None) -> str:
@@ -49,11 +48,10 @@ def log_state(text: str | None) -> str:
 
 def rows(root: str):
     for f in sorted(glob.glob(os.path.join(root, "**", "e2e-raw*.json*"), recursive=True)):
-        opener = gzip.open if f.endswith(".gz") else open
         try:
-            with opener(f, "rt") as fh:
-                d = json.load(fh)
-        except (OSError, ValueError):
+            d = read_json(f)
+        except ResultsFileError as e:     # said, not silently skipped
+            print(f"compile_state_history: skipped {e}", file=sys.stderr)
             continue
         arms = d.get("arms") or {}
         base = d.get("baseline", "vanilla")

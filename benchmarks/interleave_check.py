@@ -34,7 +34,6 @@ the levels away, and what the wall A/A becomes then.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import statistics
@@ -45,12 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fltune.evaluate.e2e import (Scenario, bootstrap_ci,  # noqa: E402
                                  compute_points, fast_level_estimate, run_estimates,
                                  samples_by_process, step_estimate)
-
-
-def load(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
 
 
 def ranks(xs: list) -> list:
@@ -159,7 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("raw", help="e2e-raw.json or e2e-raw.json.gz of an instrument run")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args(argv)
-    raw = load(a.raw)
+    try:
+        raw = read_json(a.raw)
+    except ResultsFileError as e:
+        print(f"interleave_check: {e}", file=sys.stderr)
+        return 2
     rows = analyse(raw)
     if not rows:
         print("no paired samples in", a.raw)

@@ -26,12 +26,12 @@ Reads partial raw files (``e2e-raw.partial.json``, a run cut by its time limit) 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import sys
 
 from fltune.evaluate.e2e import Scenario, bootstrap_ci, samples_by_process, step_estimate
+from fltune.evaluate.results_file import ResultsFileError, read_json
 from fltune.integrations.vllm.e2e_worker import SpeedFloor
 
 
@@ -62,10 +62,10 @@ def main(argv=None):
     ap.add_argument("--gate", type=float, default=1.25,
                     help="keep only runs whose probes read within this factor (per run)")
     a = ap.parse_args(argv)
-    # (committed raw files are stored gzipped: benchmarks/results/README.md)
-    opener = gzip.open if a.raw.endswith(".gz") else open
-    with opener(a.raw, "rt") as f:
-        raw = json.load(f)
+    try:   # plain or gzipped (committed raw files are: benchmarks/results/README.md)
+        raw = read_json(a.raw)
+    except ResultsFileError as e:
+        sys.exit(f"probe_check: {e}")
     base = raw["baseline"]
     scen = {s["name"]: Scenario(**s) for s in raw["scenarios"]}
     # each worker process its own arm (``--procs``: vanilla, vanilla.p2, ...)

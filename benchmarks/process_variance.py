@@ -13,12 +13,13 @@ sigma_p^2 = (MS_process - MS_residual) / R, with the F test of "no process offse
 """
 import argparse
 import collections
-import gzip
 import json
 import math
 import statistics
+import sys
 
 from fltune.evaluate.e2e import samples_by_process
+from fltune.evaluate.results_file import ResultsFileError, read_json
 
 
 def f_sf(f: float, d1: int, d2: int) -> float:
@@ -91,9 +92,10 @@ def main():
     ap.add_argument("--key", default="time_s", help="time_s (median run) or fast_s")
     ap.add_argument("--json")
     a = ap.parse_args()
-    op = gzip.open if a.raw.endswith(".gz") else open
-    with op(a.raw, "rt") as f:
-        raw = json.load(f)
+    try:
+        raw = read_json(a.raw)
+    except ResultsFileError as e:
+        sys.exit(f"process_variance: {e}")
     comp = components(raw["samples"], a.key)
     for sc, c in comp.items():
         print(f"{sc:14s} {c['processes']} processes x {c['reps']} reps: process means spread "

@@ -31,16 +31,16 @@ read too: they give the rounds' spread when all rounds are taken alike, the yard
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-def load(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
+
+load = read_json   # the name the tests and older notes use
 
 
 def _loo(xs: list) -> list:
@@ -145,11 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write rows, verdict and cost here")
     a = ap.parse_args(argv)
     try:
-        raw = load(a.raw)
-    except (OSError, ValueError) as e:     # missing, unreadable, not gzip, not JSON
-        print(f"profile_round_check: cannot read {a.raw}: {e} (give the e2e-raw.json or "
-              f"e2e-raw.json.gz that `fltune bench --e2e --out DIR` writes in DIR)",
-              file=sys.stderr)
+        raw = read_json(a.raw)
+    except ResultsFileError as e:
+        print(f"profile_round_check: {e}", file=sys.stderr)
         return 2
     rows = round_offsets(raw, a.baseline)
     v = verdict(rows, a.tol, a.share)
