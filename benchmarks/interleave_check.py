@@ -26,7 +26,7 @@ one monotonic clock) and prints, per scenario and arm against the baseline:
   vanilla at all three points of one run).
 
 Why: on the H200 machine whole runs move between two host-speed levels in periods of about
-a second (README "Why the wall time cannot see 1 % there"); with each arm's runs back to
+a second (benchmarks/results/RUNS.md, "Why the wall time cannot see 1 % there"); with each arm's runs back to
 back one arm's three runs could sit in one slow period while the next arm's missed it
 (session 28). This says whether the interleaved schedule and the fastest-run estimate pair
 the levels away, and what the wall A/A becomes then.

@@ -710,7 +710,7 @@ def fast_level_estimate(scenario: Scenario, r: dict) -> float | None:
     Session 31 took the fastest *run* for decode too, but a period that covers part of
     every run of one arm leaves it no fast run. Re-read on the raw data of sessions 28 and
     33, the A/A half-width at decode fell from 1.0-11 % (fastest run) and 2.6-13 % (median)
-    to 0.7-3.8 % (README, "fifteenth run")."""
+    to 0.7-3.8 % (benchmarks/results/RUNS.md, "fifteenth run")."""
     runs = [list(x) for x in r.get("runs") or [] if x]
     if not runs:
         return None
@@ -767,7 +767,7 @@ TOKENS_CHECK = {"batch": 4, "prompt_len": 16, "output_len": 32}
 #: else runs while an arm is idle; multiprocess is what ``vllm serve`` and ``LLM`` give a
 #: user by default, its engine core busy-looping in its own process. On the H200 the
 #: in-process wall A/A stayed at +-2-20 % because whole runs moved between host-speed
-#: levels (README "Why the wall time cannot see 1 % there"); the multiprocess mode
+#: levels (benchmarks/results/RUNS.md, "Why the wall time cannot see 1 % there"); the multiprocess mode
 #: measures whether the engine users run is as sensitive.
 ENGINE_PROCESSES = {"in-process": "0", "multiprocess": "1"}
 MULTIPROCESS_NOTE = ("multiprocess engine (VLLM_ENABLE_V1_MULTIPROCESSING=1): engine steps "
@@ -1416,7 +1416,7 @@ def _block_fits(now: float, block_s: float, deadline: float) -> bool:
 #: faster in 9 (median ratios 1.04-1.17); measured directly (session 27, both models), an
 #: engine kept compiled read that point 0.925 / 0.926 [CI wholly below 1] against a loaded
 #: vanilla, its step 6-8 % longer with the same kernel time, while loaded A/As read
-#: 0.94-1.03 (README "Against vanilla vLLM, twelfth run";
+#: 0.94-1.03 (benchmarks/results/RUNS.md, "twelfth run";
 #: ``benchmarks/compile_state_history.py``). A compiled process runs the host side of an
 #: eager (not CUDA-graphed) step slower than one that loaded the same graphs, so an A/A or an
 #: A/B between a compiled and a loaded arm measures that, not the arms' code. Loaded is the
