@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 from ..util import ENGINE_MAX_BATCHED_TOKENS
+from .gpu_memory import plan_wave, read_card
 from .model_dir import config_of, is_multimodal_wrapper, stable_model_dir
 from .pinning import MODES as PINNING_MODES, measuring, plan_pinning
 
@@ -1048,6 +1049,32 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
 
+        # ---- the memory preflight for the later waves (CUDA, one card) ---------------
+        card_before = read_card() if device_type == "cuda" and tp == 1 else None
+
+        def fit_wave(wave):
+            """The arms of a later wave that fit the card, from what the engines already up
+            take (:mod:`fltune.evaluate.gpu_memory`); the rest are recorded as not started
+            and said in a note."""
+            nonlocal notes
+            now = read_card() if card_before is not None and procs else None
+            if now is None:
+                return wave
+            plan = plan_wave(wave, engines_up=len(procs), used_before_mib=card_before[0],
+                             used_now_mib=now[0], free_now_mib=now[1], replica_of=replica_of)
+            host.setdefault("memory_preflight", []).append(
+                {"wave": [a.name for a in wave], "engines_up": len(procs),
+                 "per_engine_mib": round(plan.per_engine_mib), "free_mib": plan.free_mib,
+                 "left_out": [a.name for a in plan.left_out]})
+            for arm in plan.left_out:
+                arms_info[arm.name] = {"env": dict(arm.env), "started": False, "log": None,
+                                       "counters_file": None,
+                                       "error": f"not started: {plan.message}"}
+                progress("started", arm=arm.name, ok=False, error="not started: GPU memory")
+            if plan.message:
+                notes = notes + [plan.message]
+            return plan.start
+
         def restart_compiled(candidates, final):
             """Start again those of ``candidates`` whose engine compiled the model at its
             start (and that were not started again yet), in waves, where the restarts fit
@@ -1091,7 +1118,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 start_wave(wave)
             host["start_state"]["restarted"] += [a.name for a in again]
 
-        start_in_order(waves_of(arms), start_wave, restart_compiled)
+        start_in_order(waves_of(arms), start_wave, restart_compiled, fit_wave)
         again = [a for a in arms if a.name in host["start_state"]["restarted"]]
         host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")
                                        for n, i in arms_info.items() if i.get("started")}
@@ -1546,7 +1573,8 @@ def slow_host_note(speed: dict) -> str:
             f"the kernel figures, and measure the wall time again on a quieter host")
 
 
-def start_in_order(waves: list, start: Callable, restart: Callable) -> None:
+def start_in_order(waves: list, start: Callable, restart: Callable,
+                   fit: Callable | None = None) -> None:
     """Start the engines wave by wave (``start(wave)``), and where a run's arms must all be
     loaded engines (``run_e2e(start_state="loaded")``) restart the first wave's compiled
     ones *before* the second wave starts: ``restart(wave, final=False)`` (it picks the arms
@@ -1560,12 +1588,20 @@ def start_in_order(waves: list, start: Callable, restart: Callable) -> None:
     (13.7 of the 15.8 GiB it asks free): vanilla ran three processes, not four. Restarted
     while only the first wave is up, every arm's restart finds the card as empty as its
     first start did, and the second wave, which loads what the first compiled, needs no
-    restart. The order costs no time: the same starts, in another order."""
+    restart. The order costs no time: the same starts, in another order.
+
+    ``fit(wave)`` (optional) returns the arms of a later wave to start, given the engines
+    already up (the memory preflight, :mod:`fltune.evaluate.gpu_memory`); those it leaves
+    out are neither started nor restarted."""
+    started = []
     for i, wave in enumerate(waves):
+        if i and fit is not None:
+            wave = fit(wave)
         start(wave)
+        started += wave
         if i == 0 and len(waves) > 1:
             restart(wave, False)
-    restart([arm for wave in waves for arm in wave], True)
+    restart(started, True)
 
 
 def start_waves(arms: list) -> list:
