@@ -18,6 +18,7 @@ import gzip
 import os
 import statistics
 import sys
+import zlib
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,8 +33,13 @@ def _read(path: str) -> str | None:
     p = resolve(path)                 # a log kept gzipped reads too
     if not os.path.exists(p):
         return None
-    with (gzip.open if p.endswith(".gz") else open)(p, "rt", errors="replace") as f:
-        return f.read()
+    try:
+        with (gzip.open if p.endswith(".gz") else open)(p, "rt", errors="replace") as f:
+            return f.read()
+    except (OSError, EOFError, zlib.error) as e:     # a log cut short or not gzip
+        print(f"compile_state_history: {p} unreadable ({e}): its state reads '?'",
+              file=sys.stderr)
+        return None
 
 
 def log_state(text: str | None) -> str:

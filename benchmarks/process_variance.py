@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     try:
-        raw = read_json(a.raw)
+        raw = read_json(a.raw, require=("samples",))
     except ResultsFileError as e:
         sys.exit(f"process_variance: {e}")
     comp = components(raw["samples"], a.key)

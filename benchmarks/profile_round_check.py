@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write rows, verdict and cost here")
     a = ap.parse_args(argv)
     try:
-        raw = read_json(a.raw)
+        raw = read_json(a.raw, require=("kernels",))
     except ResultsFileError as e:
         print(f"profile_round_check: {e}", file=sys.stderr)
         return 2

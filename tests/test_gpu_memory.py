@@ -52,6 +52,20 @@ def test_whole_replica_levels_are_left_out_from_the_top():
     assert set(counts.values()) == {2}                  # every arm two processes
     assert "not started" in plan.message and "--procs" in plan.message
     assert "aa.p4" in plan.message and "9.4 GiB each" in plan.message
+    assert "5 started" in plan.message and plan.levels_left_out == [3, 4]
+
+
+def test_a_level_that_does_not_fit_whole_is_left_out_whole_and_said():
+    # room for three: aa, then level 2 (vanilla.p2, cal.p2, fl.p2, aa.p2) is five more,
+    # so it goes, the count said is what started (one), and a fresh-cache arm's p2 that
+    # started in the first wave is to be stopped too (levels_left_out)
+    arms = ["vanilla", "cal", "fl", "aa"]
+    rep = replicas(arms, 2)
+    wave = [A(n) for n in ["aa", "vanilla.p2", "fl.p2", "aa.p2"]]   # cal.p2: first wave
+    plan = plan_wave(wave, engines_up=4, used_before_mib=0, used_now_mib=40 * GIB,
+                     free_now_mib=35 * GIB, replica_of=rep)
+    assert names(plan.start) == ["aa"] and plan.levels_left_out == [2]
+    assert "1 started" in plan.message
 
 
 def test_first_processes_go_one_by_one_where_the_card_is_nearly_full():

@@ -11,7 +11,7 @@ import pytest
 from fltune.evaluate.results_file import ResultsFileError, read_json, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = {"baseline": "vanilla", "samples": [{"arm": "vanilla", "time_s": 0.5}]}
+DOC = {"baseline": "vanilla", "scenarios": [], "samples": [{"arm": "vanilla", "time_s": 0.5}]}
 
 
 def test_plain_and_gzipped_read_alike(tmp_path):
@@ -32,8 +32,8 @@ def test_uncompressed_name_finds_the_committed_gz(tmp_path):
     assert resolve(name) == name + ".gz"
     assert read_json(name) == DOC
     # where both exist the name given wins
-    (tmp_path / "e2e-raw.json").write_text(json.dumps({"plain": True}))
-    assert read_json(name) == {"plain": True}
+    (tmp_path / "e2e-raw.json").write_text(json.dumps({**DOC, "plain": True}))
+    assert read_json(name)["plain"] is True
 
 
 @pytest.mark.parametrize("content, says", [
@@ -71,3 +71,18 @@ def test_scripts_refuse_a_bad_raw_file_with_the_message(tmp_path, script):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert str(bad) in r.stderr and "not JSON" in r.stderr
+
+
+def test_a_summary_given_for_the_raw_file_is_named_so(tmp_path):
+    summary = tmp_path / "e2e-summary.json"
+    summary.write_text(json.dumps({"device": "H100", "points": []}))
+    with pytest.raises(ResultsFileError) as e:
+        read_json(str(summary))
+    msg = str(e.value)
+    assert "'samples'" in msg and "e2e-summary.json?" in msg and "--out DIR" in msg
+    # a caller that reads another kind of file says what it needs
+    assert read_json(str(summary), require=("points",))["device"] == "H100"
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ResultsFileError, match="JSON without"):
+        read_json(str(listed))

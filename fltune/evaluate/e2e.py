@@ -1049,14 +1049,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             for launched in [launch(arm) for arm in wave]:
                 await_start(*launched)
 
-        # ---- the memory preflight for the later waves (CUDA, one card) ---------------
-        card_before = read_card() if device_type == "cuda" and tp == 1 else None
+        # ---- the memory preflight for the later waves (CUDA, one card, waves started
+        # together: one at a time, vLLM's own check at each start sees the others) ------
+        card_before = (read_card() if device_type == "cuda" and tp == 1 and parallel_start
+                       else None)
+        procs_started = n_procs         # fewer where the preflight leaves levels out
 
         def fit_wave(wave):
             """The arms of a later wave that fit the card, from what the engines already up
             take (:mod:`fltune.evaluate.gpu_memory`); the rest are recorded as not started
             and said in a note."""
-            nonlocal notes
+            nonlocal notes, procs_started
             now = read_card() if card_before is not None and procs else None
             if now is None:
                 return wave
@@ -1071,6 +1074,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                                        "counters_file": None,
                                        "error": f"not started: {plan.message}"}
                 progress("started", arm=arm.name, ok=False, error="not started: GPU memory")
+            # a level left out whole goes for every arm: a fresh-cache arm's replicas of it
+            # started in the first wave (``start_waves``), and stop here
+            for name in [n for n in procs if replica_of[n][1] in plan.levels_left_out]:
+                procs.pop(name).stop()
+                info = arms_info[name]
+                info["started"] = False
+                info["error"] = (f"stopped: its replica level left out by the memory "
+                                 f"preflight, so every arm keeps the same processes "
+                                 f"({plan.message})")
+            if plan.levels_left_out:
+                procs_started = min(procs_started, min(plan.levels_left_out) - 1)
             if plan.message:
                 notes = notes + [plan.message]
             return plan.start
@@ -1384,7 +1398,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if n_procs > 1:
         for name, info in arms_info.items():
             info["arm"], info["replica"] = replica_of[name]
-        notes = notes + [PROCESS_NOTE.format(procs=n_procs)]
+    if procs_started != n_procs:
+        host["procs"] = {"asked": n_procs, "started": procs_started}
+    if procs_started > 1:
+        notes = notes + [PROCESS_NOTE.format(procs=procs_started)]
     host["speed"] = host_speed(samples)
     if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
         notes = notes + [slow_host_note(host["speed"])]
@@ -1392,7 +1409,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
                        engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
                        baseline=baseline, reps=reps, warmup=warmup, inner=inner,
-                       prefill_inner=prefill_inner, procs=n_procs,
+                       prefill_inner=prefill_inner, procs=procs_started,
                        device_type=device_type, model=model, kernels=kernels, host=host,
                        host_profiles=host_profiles)
     if out_dir:

@@ -632,7 +632,7 @@ def judge(per_value: dict, floors: Optional[dict] = None,
     best = max(passing, key=lambda v: (gmean(v), v))
     others = [v for v in passing if v != best]
     return "pick", best, (f"{best}: {verdicts[best][1]}; geometric mean of ratios "
-                          f"{gmean(best):.3f}" + (f" (also passing: " + ", ".join(
+                          f"{gmean(best):.3f}" + (" (also passing: " + ", ".join(
                               f"{v} {gmean(v):.3f}" for v in others) + ")" if others else "")
                           ), verdicts
 

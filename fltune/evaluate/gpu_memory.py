@@ -26,7 +26,7 @@ import math
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: kept free beside the measured footprint (MiB): an engine's use grows a little after its
 #: start (the sampler's and the profiler's buffers), and the card's reading is a moment's
@@ -66,6 +66,10 @@ class WavePlan:
     per_engine_mib: float
     free_mib: int
     message: str = ""
+    #: replica levels (2, 3, ...) left out whole: an engine of such a level that already
+    #: runs (a fresh-cache arm's replicas start in the first wave) is to be stopped, so the
+    #: arms keep equal process counts
+    levels_left_out: list = field(default_factory=list)
 
 
 def plan_wave(wave: list, *, engines_up: int, used_before_mib: int, used_now_mib: int,
@@ -97,10 +101,12 @@ def plan_wave(wave: list, *, engines_up: int, used_before_mib: int, used_now_mib
             break                         # a level that does not fit whole: none above it
     start = [a for i, a in enumerate(wave) if i in set(keep)]
     left = [a for i, a in enumerate(wave) if i not in keep]
+    dropped = sorted(level for level in levels if level > 1
+                     and not set(levels[level]) & set(keep))
     msg = (f"GPU memory: {len(wave)} more engines at {per_engine / 1024:.1f} GiB each "
            f"(measured on the {engines_up} started) need {len(wave) * per_engine / 1024:.1f} "
            f"GiB, {free_now_mib / 1024:.1f} GiB free less a {margin_mib / 1024:.0f} GiB margin: "
-           f"{fit} started, not started {', '.join(a.name for a in left)}; to measure them "
-           f"all, fewer processes per arm (--procs) or arms, or a smaller KV cache "
+           f"{len(start)} started, not started {', '.join(a.name for a in left)}; to measure "
+           f"them all, fewer processes per arm (--procs) or arms, or a smaller KV cache "
            f"(kv_cache_memory_bytes in --engine)")
-    return WavePlan(start, left, per_engine, free_now_mib, msg)
+    return WavePlan(start, left, per_engine, free_now_mib, msg, dropped)

@@ -30,9 +30,16 @@ def resolve(path: str) -> str:
     return path
 
 
-def read_json(path: str, *, what: str = "an `fltune bench --e2e` raw file "
-                                         "(e2e-raw.json or e2e-raw.json.gz in its --out DIR)"):
-    """The JSON document at ``path`` (gzipped when its name ends in ``.gz``).
+#: the keys every instrument raw file has (``E2EResult.raw``); a summary
+#: (``e2e-summary.json``) has ``points`` but not these
+RAW_KEYS = ("baseline", "scenarios", "samples")
+
+
+def read_json(path: str, *, require: tuple = RAW_KEYS,
+              what: str = "an `fltune bench --e2e` raw file "
+                          "(e2e-raw.json or e2e-raw.json.gz in its --out DIR)"):
+    """The JSON document at ``path`` (gzipped when its name ends in ``.gz``), an object
+    with the keys ``require`` (default: an instrument raw file's).
 
     ``what`` says in the error what the file should have been, so the message gives the
     way out (which file to pass) and not only the failure."""
@@ -40,10 +47,17 @@ def read_json(path: str, *, what: str = "an `fltune bench --e2e` raw file "
     opener = gzip.open if real.endswith(".gz") else open
     try:
         with opener(real, "rt") as f:
-            return json.load(f)
+            doc = json.load(f)
     except FileNotFoundError:
         raise ResultsFileError(f"{path}: no such file (nor {path}.gz); give {what}") from None
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:   # unreadable, not gzip
         raise ResultsFileError(f"{real}: cannot be read ({e}); give {what}") from None
     except json.JSONDecodeError as e:                                   # truncated, not JSON
         raise ResultsFileError(f"{real}: not JSON ({e}); give {what}") from None
+    missing = [k for k in require if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        hint = (" (an e2e-summary.json? its raw data is the e2e-raw.json[.gz] beside it)"
+                if isinstance(doc, dict) and "points" in doc else "")
+        raise ResultsFileError(f"{real}: JSON without {', '.join(map(repr, missing))}{hint}; "
+                               f"give {what}")
+    return doc
