@@ -1,0 +1,187 @@
+"""What it takes for an A/A to read within ±1 %: processes and repetitions per arm, from the
+noise a recorded A/A run measured, and whether that many engines fit one card (issue 11).
+
+    python3 benchmarks/aa_design.py RAW.json[.gz] [--target 1.0] [--key time_s|fast_s]
+        [--reps R] [--arms 3] [--engine-gib 9.4] [--card-gib 80] [--json OUT]
+
+Why: the goal is an A/A CI half-width of at most 1 % at every point. Session 35's A/A with
+four processes a side read ±0.9–1.0 % at decode and ±1.6 % at a 2048-token prefill, where
+each process sits ~1 % from its engine's mean. Whether more repetitions, more processes or
+neither can close that is arithmetic on two variance components, and the processes cost
+GPU memory: ``fltune bench --e2e --procs K`` with A arms starts A x K engines on one card
+(each ~9.4 GiB on the H100 with the instrument's 4 GiB KV cache; the memory preflight,
+``fltune/evaluate/gpu_memory.py``, starts only what fits).
+
+Per scenario of an A/A raw file (every arm a second vanilla; each process an arm of its
+own, as ``process_variance.py`` reads it):
+
+1. the components: ``sigma_p`` (a process's own offset, the same in every repetition) and
+   ``sigma_e`` (a sample's noise beyond the repetition's shared level), two-way ANOVA
+   (``process_variance.components``);
+2. a model check: the run's own design (K processes a side, R repetitions) simulated with
+   those components and the instrument's CI (``procs_coverage.run``: the hierarchical
+   bootstrap ``fltune bench --e2e`` computes), against the half-width the run read; a
+   model that misses the run by far says the components do not describe it (an offset
+   between engines that processes do not average, a drift);
+3. the design: the smallest K (at ``--reps``) whose simulated half-width is within the
+   target, and the engines it takes (arms x K) against the card; where no K up to
+   ``--max-procs`` reaches it, the floor it would need: sigma_p itself must shrink (fewer
+   host-side offsets: CUDA graphs, pinning), processes alone will not do it on one card.
+
+The simulation is the CPU's (figures are predictions; the GPU run that follows the design
+is the measurement).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
+from procs_coverage import run as simulate_design  # noqa: E402
+from process_variance import components  # noqa: E402
+
+#: the hierarchical design's row in ``procs_coverage.run`` (one process: the plain bootstrap)
+HIER, ONE = "K processes, hierarchical", "one process, reps bootstrap"
+
+
+def predicted(k: int, reps: int, sigma_p: float, sigma_e: float, *,
+              sims: int, resamples: int) -> tuple:
+    """(median CI half-width %, coverage) of the instrument's CI for an A/A of K processes
+    a side and ``reps`` repetitions, sigma_p / sigma_e as fractions (simulated). With one
+    process a side the CI cannot see sigma_p: narrow, and its coverage says how honest."""
+    res = simulate_design(k, reps, sigma_p, sigma_e, sims, resamples)[HIER if k > 1 else ONE]
+    return res["half_width_pct_median"], res["coverage"]
+
+
+def observed(raw: dict, scenario: str, key: str) -> dict | None:
+    """The run's own A/A reading at ``scenario``: half-width (%) and K a side, for the
+    first arm that is not the baseline (its A/A arm)."""
+    lo_k, hi_k = ("fast_ci_low", "fast_ci_high") if key == "fast_s" else ("ci_low", "ci_high")
+    for p in raw.get("points") or []:
+        if p.get("scenario") == scenario and p.get(lo_k) is not None:
+            return {"arm": p.get("arm"), "n": p.get("n"),
+                    "half_width_pct": 50.0 * (p[hi_k] - p[lo_k]),
+                    "procs": min(p.get("procs_arm") or 1, p.get("procs_vanilla") or 1)}
+    return None
+
+
+def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | None = None,
+           arms: int = 3, engine_gib: float = 9.4, card_gib: float = 80.0,
+           max_procs: int = 12, sims: int = 120, resamples: int = 600) -> list:
+    """One row per scenario (see the module doc)."""
+    rows = []
+    fit_engines = int(card_gib // engine_gib)
+    for sc, c in components(raw["samples"], key).items():
+        sp, se = c["sigma_p_pct"] / 100, c["residual_sd_pct"] / 100
+        seen = observed(raw, sc, key)
+        r_run = c["reps"]
+        r_plan = reps or r_run
+        row = {"scenario": sc, "sigma_p_pct": round(c["sigma_p_pct"], 3),
+               "sigma_e_pct": round(c["residual_sd_pct"], 3), "reps_run": r_run,
+               "observed": seen}
+        if seen:
+            row["model_check_pct"] = predicted(seen["procs"], r_run, sp, se,
+                                               sims=sims, resamples=resamples)[0]
+        row["by_procs"], row["coverage"] = {}, {}
+        need = None
+        # from two processes a side: one cannot resample the process level, its CI is
+        # narrow by leaving sigma_p out (shown for reference, with its coverage)
+        for k in range(1, max_procs + 1):
+            hw, cov = predicted(k, r_plan, sp, se, sims=sims, resamples=resamples)
+            row["by_procs"][k], row["coverage"][k] = hw, cov
+            if k > 1 and hw <= target:
+                need = k
+                break
+        row["reps_plan"] = r_plan
+        row["procs_needed"] = need
+        row["engines_needed"] = need * arms if need else None
+        row["fits_card"] = bool(need) and need * arms <= fit_engines
+        # what sigma_p would allow the target with the processes that fit: the
+        # hierarchical CI's width is mostly 1.96 * sqrt(2 sigma_p^2 / K) once reps are many
+        k_fit = max(1, fit_engines // max(arms, 1))
+        row["procs_that_fit"] = k_fit
+        row["sigma_p_for_target_pct"] = round(target / 1.96 * math.sqrt(k_fit / 2), 3)
+        rows.append(row)
+    return rows
+
+
+def engine_gib_of(raw: dict) -> float | None:
+    """GiB per engine as the run's memory preflight measured it (``host.memory_preflight``,
+    runs since session 42), else None."""
+    seen = [w.get("per_engine_mib") for w in (raw.get("host") or {}).get("memory_preflight")
+            or [] if w.get("per_engine_mib")]
+    return round(max(seen) / 1024, 2) if seen else None
+
+
+def verdict(row: dict, target: float) -> str:
+    if row["procs_needed"] and row["fits_card"]:
+        return (f"reachable: {row['procs_needed']} processes a side x {row['reps_plan']} reps "
+                f"({row['engines_needed']} engines, fit)")
+    if row["procs_needed"]:
+        return (f"needs {row['procs_needed']} processes a side ({row['engines_needed']} "
+                f"engines): more than the card holds ({row['procs_that_fit']} a side fit; "
+                f"with those, sigma_p must fall to ~{row['sigma_p_for_target_pct']:.2f} %)")
+    return (f"not within {max(row['by_procs'])} processes a side: sigma_p must fall to "
+            f"~{row['sigma_p_for_target_pct']:.2f} % for ±{target:g} % with the "
+            f"{row['procs_that_fit']} a side that fit")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("raw", help="an A/A run's e2e-raw.json[.gz] (--procs K: K per arm)")
+    ap.add_argument("--key", default="time_s", choices=["time_s", "fast_s"],
+                    help="time_s (the median run, the instrument's main figure) or fast_s")
+    ap.add_argument("--target", type=float, default=1.0, help="CI half-width, %% (1.0)")
+    ap.add_argument("--reps", type=int, help="repetitions to plan for (default: the run's)")
+    ap.add_argument("--arms", type=int, default=3,
+                    help="arms the planned run starts (vanilla, aa, an A/B arm: 3)")
+    ap.add_argument("--engine-gib", type=float, default=None,
+                    help="GPU memory per engine (default: what the run's memory preflight "
+                         "measured, else 9.4, the H100's in session 35)")
+    ap.add_argument("--card-gib", type=float, default=80.0)
+    ap.add_argument("--max-procs", type=int, default=12)
+    ap.add_argument("--sims", type=int, default=120)
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args(argv)
+    try:
+        raw = read_json(a.raw)
+    except ResultsFileError as e:
+        print(f"aa_design: {e}", file=sys.stderr)
+        return 2
+    engine_gib = a.engine_gib or engine_gib_of(raw) or 9.4
+    rows = design(raw, key=a.key, target=a.target, reps=a.reps, arms=a.arms,
+                  engine_gib=engine_gib, card_gib=a.card_gib, max_procs=a.max_procs,
+                  sims=a.sims)
+    if not rows:
+        print(f"aa_design: {a.raw}: no scenario with 2+ processes and 2+ repetitions "
+              f"(an A/A run with --procs, or with an A/A arm, is needed)", file=sys.stderr)
+        return 1
+    for r in rows:
+        seen = r["observed"]
+        check = (f"run read ±{seen['half_width_pct']:.2f} % at K={seen['procs']} R={r['reps_run']}, "
+                 f"model ±{r['model_check_pct']:.2f} %" if seen else "no A/A point")
+        curve = " ".join(f"K{k}:{hw:.2f}" + (f" (coverage {r['coverage'][k]:.2f})"
+                                             if k == 1 else "")
+                         for k, hw in r["by_procs"].items())
+        print(f"{r['scenario']:<13} sigma_p {r['sigma_p_pct']:.2f} %  sigma_e "
+              f"{r['sigma_e_pct']:.2f} %  | {check}\n{'':13} ±% by K at R={r['reps_plan']}: "
+              f"{curve}\n{'':13} {verdict(r, a.target)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"raw": a.raw, "key": a.key, "target_pct": a.target, "arms": a.arms,
+                       "engine_gib": engine_gib, "card_gib": a.card_gib,
+                       "command": "python3 benchmarks/aa_design.py "
+                                  + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

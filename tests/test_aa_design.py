@@ -1,0 +1,89 @@
+"""benchmarks/aa_design.py: from an A/A run's variance components, the processes a side an
+A/A within the target needs, and whether that many engines fit the card. Synthetic A/A
+samples with known process offsets and noise stand in for a GPU run (the CI and the
+simulation are the real code: ``hierarchical_ci`` via ``procs_coverage.run``)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "aa_design.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+spec = importlib.util.spec_from_file_location("aa_design", SCRIPT)
+aad = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(aad)
+
+FAST = {"sims": 40, "resamples": 300}
+
+
+def _raw(sigma_p: float, sigma_e: float, procs: int = 4, reps: int = 12, seed: int = 1):
+    """An A/A raw file: vanilla and aa, ``procs`` processes each, one scenario."""
+    rng = random.Random(seed)
+    off = {(arm, j): rng.gauss(0, sigma_p) for arm in ("vanilla", "aa")
+           for j in range(1, procs + 1)}
+    samples = []
+    for r in range(reps):
+        level = rng.gauss(0, 0.03)
+        for (arm, j), o in off.items():
+            samples.append({"scenario": "prefill_2048", "arm": arm, "replica": j, "rep": r,
+                            "time_s": 0.03 * math.exp(level + o + rng.gauss(0, sigma_e))})
+    return {"baseline": "vanilla", "scenarios": [], "samples": samples, "points": []}
+
+
+def test_quiet_processes_reach_the_target_with_few():
+    rows = aad.design(_raw(0.0005, 0.004), target=1.0, arms=2, **FAST)
+    (row,) = rows
+    assert row["procs_needed"] == 2 and row["fits_card"]
+    assert "reachable" in aad.verdict(row, 1.0)
+
+
+def test_a_large_process_offset_needs_more_processes_than_the_card_holds():
+    # sigma_p ~1.5 %: processes alone would need far more than 80 GiB / 9.4 GiB holds
+    raw = _raw(0.015, 0.004, procs=4, reps=12)
+    (row,) = aad.design(raw, target=1.0, arms=3, max_procs=6, **FAST)
+    assert row["sigma_p_pct"] > 0.8
+    assert row["procs_needed"] is None
+    assert row["by_procs"][6] > 1.0 and row["by_procs"][2] > row["by_procs"][6]
+    v = aad.verdict(row, 1.0)
+    assert "sigma_p must fall" in v and "the 2 a side that fit" in v     # 8 engines, 3 arms
+    # the one-process CI leaves sigma_p out: narrow, and dishonest (coverage well below 95 %)
+    assert row["coverage"][1] < 0.8
+
+
+def test_the_model_check_compares_with_the_runs_own_reading():
+    raw = _raw(0.01, 0.01, procs=3, reps=10)
+    raw["points"] = [{"scenario": "prefill_2048", "arm": "aa", "n": 10, "ci_low": 0.98,
+                      "ci_high": 1.02, "procs_arm": 3, "procs_vanilla": 3}]
+    (row,) = aad.design(raw, target=1.0, arms=2, max_procs=2, **FAST)
+    assert row["observed"]["procs"] == 3 and abs(row["observed"]["half_width_pct"] - 2.0) < 1e-9
+    assert row["model_check_pct"] > 0.5
+
+
+def test_engine_memory_comes_from_the_runs_preflight_where_recorded():
+    assert aad.engine_gib_of({"host": {}}) is None
+    raw = {"host": {"memory_preflight": [{"per_engine_mib": 6000}, {"per_engine_mib": 6400}]}}
+    assert aad.engine_gib_of(raw) == 6.25
+
+
+def test_cli_writes_json_and_refuses_a_bad_file(tmp_path):
+    raw = tmp_path / "e2e-raw.json"
+    raw.write_text(json.dumps(_raw(0.0005, 0.004)))
+    out = tmp_path / "design.json"
+    p = subprocess.run([sys.executable, str(SCRIPT), str(raw), "--arms", "2", "--sims", "30",
+                        "--max-procs", "3", "--json", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "prefill_2048" in p.stdout and "sigma_p" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["rows"][0]["procs_needed"] == 2 and doc["engine_gib"] == 9.4
+    bad = tmp_path / "summary.json"
+    bad.write_text(json.dumps({"points": []}))
+    p = subprocess.run([sys.executable, str(SCRIPT), str(bad)], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 2 and "e2e-summary.json?" in p.stderr
