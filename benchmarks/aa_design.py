@@ -60,12 +60,26 @@ def predicted(k: int, reps: int, sigma_p: float, sigma_e: float, *,
     return res["half_width_pct_median"], res["coverage"]
 
 
+def vanilla_arms(raw: dict) -> set:
+    """The arms that run vanilla as the baseline does (no environment overlay, no engine
+    override): the A/A's sides. An A/B arm, or a fresh compile's draw (``recompiled``: its
+    own caches), is another engine and stays out of the components. A raw file without
+    arm records counts every arm."""
+    arms = raw.get("arms") or {}
+    if not arms:
+        return {s["arm"] for s in raw.get("samples") or []}
+    return {info.get("arm") or name for name, info in arms.items()
+            if not info.get("env") and not info.get("engine")}
+
+
 def observed(raw: dict, scenario: str, key: str) -> dict | None:
     """The run's own A/A reading at ``scenario``: half-width (%) and K a side, for the
-    first arm that is not the baseline (its A/A arm)."""
+    first vanilla arm that is not the baseline (its A/A arm)."""
     lo_k, hi_k = ("fast_ci_low", "fast_ci_high") if key == "fast_s" else ("ci_low", "ci_high")
+    same = vanilla_arms(raw)
     for p in raw.get("points") or []:
-        if p.get("scenario") == scenario and p.get(lo_k) is not None:
+        if (p.get("scenario") == scenario and p.get(lo_k) is not None
+                and p.get("arm") in same):
             return {"arm": p.get("arm"), "n": p.get("n"),
                     "half_width_pct": 50.0 * (p[hi_k] - p[lo_k]),
                     "procs": min(p.get("procs_arm") or 1, p.get("procs_vanilla") or 1)}
@@ -78,7 +92,8 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
     """One row per scenario (see the module doc)."""
     rows = []
     fit_engines = int(card_gib // engine_gib)
-    for sc, c in components(raw["samples"], key).items():
+    same = vanilla_arms(raw)
+    for sc, c in components([s for s in raw["samples"] if s["arm"] in same], key).items():
         sp, se = c["sigma_p_pct"] / 100, c["residual_sd_pct"] / 100
         seen = observed(raw, sc, key)
         r_run = c["reps"]

@@ -87,3 +87,26 @@ def test_cli_writes_json_and_refuses_a_bad_file(tmp_path):
     p = subprocess.run([sys.executable, str(SCRIPT), str(bad)], capture_output=True,
                        text=True, cwd=ROOT)
     assert p.returncode == 2 and "e2e-summary.json?" in p.stderr
+
+
+def test_only_the_vanilla_arms_make_the_components():
+    # an A/B arm 5 % slower with its own processes, and a point of its own listed first:
+    # neither may enter the A/A's components or its reading
+    raw = _raw(0.0005, 0.004, procs=2, reps=10)
+    raw["samples"] += [{**s, "arm": "calibrated", "time_s": s["time_s"] * (1.05 + 0.02 * s["replica"])}
+                       for s in raw["samples"] if s["arm"] == "aa"]
+    raw["arms"] = {"vanilla": {"env": {}}, "aa": {"env": {}},
+                   "calibrated": {"env": {"FLTUNE_DB": "x.db"}},
+                   "vanilla.p2": {"env": {}, "arm": "vanilla", "replica": 2},
+                   "aa.p2": {"env": {}, "arm": "aa", "replica": 2},
+                   "calibrated.p2": {"env": {"FLTUNE_DB": "x.db"}, "arm": "calibrated",
+                                     "replica": 2}}
+    raw["points"] = [{"scenario": "prefill_2048", "arm": "calibrated", "ci_low": 0.9,
+                      "ci_high": 0.96, "procs_arm": 2, "procs_vanilla": 2},
+                     {"scenario": "prefill_2048", "arm": "aa", "ci_low": 0.995,
+                      "ci_high": 1.005, "procs_arm": 2, "procs_vanilla": 2}]
+    assert aad.vanilla_arms(raw) == {"vanilla", "aa"}
+    (row,) = aad.design(raw, target=1.0, arms=2, max_procs=2, **FAST)
+    assert row["sigma_p_pct"] < 0.3                      # the A/B's offsets kept out
+    assert row["observed"]["arm"] == "aa"
+    assert abs(row["observed"]["half_width_pct"] - 0.5) < 1e-9
