@@ -72,11 +72,11 @@ def vanilla_arms(raw: dict) -> set:
             if not info.get("env") and not info.get("engine")}
 
 
-def observed(raw: dict, scenario: str, key: str) -> dict | None:
+def observed(raw: dict, scenario: str, key: str, same: set) -> dict | None:
     """The run's own A/A reading at ``scenario``: half-width (%) and K a side, for the
-    first vanilla arm that is not the baseline (its A/A arm)."""
+    first arm of ``same`` (:func:`vanilla_arms`) with a point (the baseline has none: its
+    A/A arm)."""
     lo_k, hi_k = ("fast_ci_low", "fast_ci_high") if key == "fast_s" else ("ci_low", "ci_high")
-    same = vanilla_arms(raw)
     for p in raw.get("points") or []:
         if (p.get("scenario") == scenario and p.get(lo_k) is not None
                 and p.get("arm") in same):
@@ -92,10 +92,14 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
     """One row per scenario (see the module doc)."""
     rows = []
     fit_engines = int(card_gib // engine_gib)
+    # what sigma_p would allow the target with the processes that fit: the hierarchical
+    # CI's width is mostly 1.96 * sqrt(2 sigma_p^2 / K) once reps are many
+    k_fit = max(1, fit_engines // max(arms, 1))
+    sigma_p_for_target = round(target / 1.96 * math.sqrt(k_fit / 2), 3)
     same = vanilla_arms(raw)
     for sc, c in components([s for s in raw["samples"] if s["arm"] in same], key).items():
         sp, se = c["sigma_p_pct"] / 100, c["residual_sd_pct"] / 100
-        seen = observed(raw, sc, key)
+        seen = observed(raw, sc, key, same)
         r_run = c["reps"]
         r_plan = reps or r_run
         row = {"scenario": sc, "sigma_p_pct": round(c["sigma_p_pct"], 3),
@@ -118,11 +122,8 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
         row["procs_needed"] = need
         row["engines_needed"] = need * arms if need else None
         row["fits_card"] = bool(need) and need * arms <= fit_engines
-        # what sigma_p would allow the target with the processes that fit: the
-        # hierarchical CI's width is mostly 1.96 * sqrt(2 sigma_p^2 / K) once reps are many
-        k_fit = max(1, fit_engines // max(arms, 1))
         row["procs_that_fit"] = k_fit
-        row["sigma_p_for_target_pct"] = round(target / 1.96 * math.sqrt(k_fit / 2), 3)
+        row["sigma_p_for_target_pct"] = sigma_p_for_target
         rows.append(row)
     return rows
 

@@ -40,8 +40,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
 
-load = read_json   # the name the tests and older notes use
-
 
 def _loo(xs: list) -> list:
     """Each value's deviation from the median of the others, in percent (leave-one-out):

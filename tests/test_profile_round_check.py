@@ -76,7 +76,7 @@ def test_the_cli_prints_the_cost_and_writes_its_json(prc, tmp_path, capsys):
 
 def test_session_38s_recorded_h100_rounds_read_ok(prc):
     """Rounds all taken after the timed runs (before session 40): no lean in round 0."""
-    raw = prc.load(str(ROOT / "benchmarks/results/h100-2026-12-06-s38/q35draws-e2e-raw.json.gz"))
+    raw = prc.read_json(str(ROOT / "benchmarks/results/h100-2026-12-06-s38/q35draws-e2e-raw.json.gz"))
     v = prc.verdict(prc.round_offsets(raw))
     assert v["points"] == 16 and v["off"] is False
     assert prc.profile_cost(raw) == {}

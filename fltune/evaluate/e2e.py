@@ -1051,8 +1051,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
         # ---- the memory preflight for the later waves (CUDA, one card, waves started
         # together: one at a time, vLLM's own check at each start sees the others) ------
+        first_waves = waves_of(arms)
         card_before = (read_card() if device_type == "cuda" and tp == 1 and parallel_start
-                       else None)
+                       and len(first_waves) > 1 else None)
         procs_started = n_procs         # fewer where the preflight leaves levels out
 
         def fit_wave(wave):
@@ -1132,7 +1133,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 start_wave(wave)
             host["start_state"]["restarted"] += [a.name for a in again]
 
-        start_in_order(waves_of(arms), start_wave, restart_compiled, fit_wave)
+        start_in_order(first_waves, start_wave, restart_compiled, fit_wave)
         again = [a for a in arms if a.name in host["start_state"]["restarted"]]
         host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")
                                        for n, i in arms_info.items() if i.get("started")}

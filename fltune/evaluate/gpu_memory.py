@@ -12,8 +12,8 @@ four processes of ~9.4 GiB each (session 35's H100 footprint) would ask 150 GiB 
 80 GiB card. The first wave tells what an engine really takes (the card's use before and
 after it, per engine started); from that, before the second wave, the preflight keeps the
 engines that fit and leaves the rest unstarted, said in each one's ``error`` and in a
-note, keeping every arm's process count equal (replicas dropped from the top index down,
-arm by arm), so the run still measures, on fewer processes, instead of losing the call.
+note, keeping every arm's process count equal (replicas dropped a whole level at a time,
+from the top index down), so the run still measures, on fewer processes, instead of losing the call.
 
 The card is read with ``nvidia-smi`` (the parent process does not touch CUDA: a context
 there would take memory of its own and hold the card for the run's whole length); where it
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 
@@ -41,9 +40,8 @@ def card_index() -> str:
 
 
 def read_card(index: str | None = None, run=subprocess.run) -> tuple[int, int] | None:
-    """(used, free) MiB of the card, or None where ``nvidia-smi`` cannot say."""
-    if run is subprocess.run and shutil.which("nvidia-smi") is None:
-        return None
+    """(used, free) MiB of the card, or None where ``nvidia-smi`` cannot say (not
+    installed: the spawn's ``FileNotFoundError``)."""
     try:
         r = run(["nvidia-smi", f"--id={index or card_index()}",
                  "--query-gpu=memory.used,memory.free", "--format=csv,noheader,nounits"],
@@ -99,10 +97,10 @@ def plan_wave(wave: list, *, engines_up: int, used_before_mib: int, used_now_mib
             keep += members
         else:
             break                         # a level that does not fit whole: none above it
-    start = [a for i, a in enumerate(wave) if i in set(keep)]
-    left = [a for i, a in enumerate(wave) if i not in keep]
-    dropped = sorted(level for level in levels if level > 1
-                     and not set(levels[level]) & set(keep))
+    kept = set(keep)
+    start = [a for i, a in enumerate(wave) if i in kept]
+    left = [a for i, a in enumerate(wave) if i not in kept]
+    dropped = sorted(level for level in levels if level > 1 and not set(levels[level]) & kept)
     msg = (f"GPU memory: {len(wave)} more engines at {per_engine / 1024:.1f} GiB each "
            f"(measured on the {engines_up} started) need {len(wave) * per_engine / 1024:.1f} "
            f"GiB, {free_now_mib / 1024:.1f} GiB free less a {margin_mib / 1024:.0f} GiB margin: "
