@@ -26,7 +26,15 @@ own, as ``process_variance.py`` reads it):
 3. the design: the smallest K (at ``--reps``) whose simulated half-width is within the
    target, and the engines it takes (arms x K) against the card; where no K up to
    ``--max-procs`` reaches it, the floor it would need: sigma_p itself must shrink (fewer
-   host-side offsets: CUDA graphs, pinning), processes alone will not do it on one card.
+   host-side offsets: CUDA graphs, pinning), processes alone will not do it on one card;
+4. where the processes that fit fall short, fresh ones instead of more at once: the fewest
+   generations (``fltune bench --e2e --generations G``, every process started again G - 1
+   times in the run) within the target with the processes that fit
+   (:func:`generations_design`). Session 43 read session 35's H100 A/A for where its
+   offset lives (``process_variance.py --by-cpu``): at a 2048-token prefill the process
+   explains 46 % of the spread and the vCPU a process ran on adds nothing beside it
+   (F 0.17, p 0.98; the process beside the vCPU: F 6.7, p 0.0001), so pinning cannot
+   remove sigma_p there, and a new process is a new draw.
 
 The simulation is the CPU's (figures are predictions; the GPU run that follows the design
 is the measurement).
@@ -52,12 +60,40 @@ HIER, ONE = "K processes, hierarchical", "one process, reps bootstrap"
 
 
 def predicted(k: int, reps: int, sigma_p: float, sigma_e: float, *,
-              sims: int, resamples: int) -> tuple:
+              sims: int, resamples: int, generations: int = 1) -> tuple:
     """(median CI half-width %, coverage) of the instrument's CI for an A/A of K processes
-    a side and ``reps`` repetitions, sigma_p / sigma_e as fractions (simulated). With one
-    process a side the CI cannot see sigma_p: narrow, and its coverage says how honest."""
-    res = simulate_design(k, reps, sigma_p, sigma_e, sims, resamples)[HIER if k > 1 else ONE]
-    return res["half_width_pct_median"], res["coverage"]
+    a side and ``reps`` repetitions, in ``generations`` fresh sets of processes,
+    sigma_p / sigma_e as fractions (simulated). With one process a side in one generation
+    the CI cannot see sigma_p: narrow, and its coverage says how honest."""
+    res = simulate_design(k, reps, sigma_p, sigma_e, sims, resamples,
+                          generations=generations)
+    return tuple(res[HIER if k > 1 or generations > 1 else ONE][key]
+                 for key in ("half_width_pct_median", "coverage"))
+
+
+#: generations tried where the processes that fit cannot reach the target
+GENERATIONS = (2, 3, 4, 6, 8, 10, 12, 16)
+#: the simulated coverage below which a design's narrow CI does not count (95 % nominal)
+HONEST = 0.9
+
+
+def generations_design(k: int, reps: int, sp: float, se: float, target: float, *,
+                       sims: int, resamples: int) -> dict:
+    """With ``k`` processes a side (those that fit), the fewest generations
+    (``fltune bench --e2e --generations G``: every process started afresh G - 1 times in
+    the run) whose CI is within ``target``, at max(``reps``, 2 G) repetitions: what fresh
+    processes buy where the card holds no more of them at once. Each generation costs an
+    engine restart (loaded, all arms in parallel: ~30 s on session 35's H100) and a
+    warm-up repetition."""
+    out = {"procs": k, "by_generations": {}, "coverage": {}, "generations_needed": None}
+    for g in GENERATIONS:
+        r = max(reps, 2 * g)
+        hw, cov = predicted(k, r, sp, se, sims=sims, resamples=resamples, generations=g)
+        out["by_generations"][g], out["coverage"][g] = hw, cov
+        if hw <= target and cov >= HONEST:
+            out.update(generations_needed=g, reps=r)
+            break
+    return out
 
 
 def vanilla_arms(raw: dict) -> set:
@@ -88,8 +124,10 @@ def observed(raw: dict, scenario: str, key: str, same: set) -> dict | None:
 
 def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | None = None,
            arms: int = 3, engine_gib: float = 9.4, card_gib: float = 80.0,
-           max_procs: int = 12, sims: int = 120, resamples: int = 600) -> list:
-    """One row per scenario (see the module doc)."""
+           max_procs: int = 12, sims: int = 120, resamples: int = 600,
+           generations: bool = True) -> list:
+    """One row per scenario (see the module doc); where the processes that fit the card
+    do not reach the target, ``with_generations`` (:func:`generations_design`)."""
     rows = []
     fit_engines = int(card_gib // engine_gib)
     # what sigma_p would allow the target with the processes that fit: the hierarchical
@@ -124,6 +162,9 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
         row["fits_card"] = bool(need) and need * arms <= fit_engines
         row["procs_that_fit"] = k_fit
         row["sigma_p_for_target_pct"] = sigma_p_for_target
+        if not row["fits_card"] and generations:
+            row["with_generations"] = generations_design(
+                k_fit, r_plan, sp, se, target, sims=sims, resamples=resamples)
         rows.append(row)
     return rows
 
@@ -141,12 +182,22 @@ def verdict(row: dict, target: float) -> str:
         return (f"reachable: {row['procs_needed']} processes a side x {row['reps_plan']} reps "
                 f"({row['engines_needed']} engines, fit)")
     if row["procs_needed"]:
-        return (f"needs {row['procs_needed']} processes a side ({row['engines_needed']} "
+        text = (f"needs {row['procs_needed']} processes a side ({row['engines_needed']} "
                 f"engines): more than the card holds ({row['procs_that_fit']} a side fit; "
                 f"with those, sigma_p must fall to ~{row['sigma_p_for_target_pct']:.2f} %)")
-    return (f"not within {max(row['by_procs'])} processes a side: sigma_p must fall to "
-            f"~{row['sigma_p_for_target_pct']:.2f} % for ±{target:g} % with the "
-            f"{row['procs_that_fit']} a side that fit")
+    else:
+        text = (f"not within {max(row['by_procs'])} processes a side: sigma_p must fall to "
+                f"~{row['sigma_p_for_target_pct']:.2f} % for ±{target:g} % with the "
+                f"{row['procs_that_fit']} a side that fit")
+    gen = row.get("with_generations")
+    if gen and gen["generations_needed"]:
+        text += (f"; or fresh processes: {gen['procs']} a side in "
+                 f"{gen['generations_needed']} generations x {gen['reps']} reps "
+                 f"(--generations {gen['generations_needed']})")
+    elif gen:
+        text += (f"; fresh processes ({gen['procs']} a side) not within "
+                 f"{max(gen['by_generations'])} generations")
+    return text
 
 
 def main(argv=None) -> int:
@@ -164,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--card-gib", type=float, default=80.0)
     ap.add_argument("--max-procs", type=int, default=12)
     ap.add_argument("--sims", type=int, default=120)
+    ap.add_argument("--no-generations", action="store_true",
+                    help="skip the generations design where the processes that fit fall short")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     try:
@@ -174,7 +227,7 @@ def main(argv=None) -> int:
     engine_gib = a.engine_gib or engine_gib_of(raw) or 9.4
     rows = design(raw, key=a.key, target=a.target, reps=a.reps, arms=a.arms,
                   engine_gib=engine_gib, card_gib=a.card_gib, max_procs=a.max_procs,
-                  sims=a.sims)
+                  sims=a.sims, generations=not a.no_generations)
     if not rows:
         print(f"aa_design: {a.raw}: no scenario with 2+ processes and 2+ repetitions "
               f"(an A/A run with --procs, or with an A/A arm, is needed)", file=sys.stderr)

@@ -513,7 +513,7 @@ linbench) {
   # start every arm loaded (one model path per config, session 29: not yet seen on the GPU;
   # state_summary prints each arm's state) and measure for most of its time.
   WARMARGS=
-  [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; PROCS=; }
+  [ "${WARMONLY:-0}" = 1 ] && { REPS=1; SCENARIOS=decode_b1; START_STATE=as-started; WARMARGS="--warmup 0"; PROCS=; GENERATIONS=; }
   # PROCS=K: `--procs K`, every arm in K worker processes (vanilla, vanilla.p2, ...), each
   # timed in every repetition; the point's CI resamples the processes, and each point says
   # how far each process sat from its arm (process_offsets_pct; session 33: one A/A process
@@ -522,6 +522,9 @@ linbench) {
   # Memory (session 35, H100): an engine of Qwen3-0.6B holds ~9.4 GiB, and vLLM starts one
   # only with 0.2 x the card free; NOCAL=1 PROCS=4 (8 engines) fitted, but vanilla's restart
   # to a loaded engine came after the other seven and was refused: WARMONLY=1 first.
+  # GENERATIONS=G: `--generations G`, every worker started again G-1 times in the run (the
+  # repetitions in G blocks): a process's own offset, ~1 % at a 2048-token prefill, averages
+  # over processes x generations (session 43: benchmarks/aa_design.py says how many)
   # ENGINE='{...}': engine arguments over the instrument's defaults for EVERY arm, vanilla
   # included (session 36: the wall A/A with CUDA graphs up to 2048 tokens,
   # ENGINE='{"compilation_config": {"max_cudagraph_capture_size": 2048}}'); an arm's DB
@@ -538,7 +541,8 @@ linbench) {
     ${ENGINE:+--engine "$ENGINE"} \
     --scenarios "${SCENARIOS:-decode_b1,decode_b16,prefill_2048}" --pinning ${PINNING:-shared} \
     ${START_STATE:+--start-state $START_STATE} ${HOSTPROF:+--host-profile} ${INNER:+--inner $INNER} \
-    ${INTERLEAVE:+--interleave $INTERLEAVE} ${PROCS:+--procs $PROCS} --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
+    ${INTERLEAVE:+--interleave $INTERLEAVE} ${PROCS:+--procs $PROCS} ${GENERATIONS:+--generations $GENERATIONS} \
+    --out "$W" --json > "$W/e2e.json"; echo "bench rc=$?"
   state_summary "$W/e2e-raw.json"
   # HOSTPROF=1: where each arm's host time goes beyond vanilla's (cProfile), top 5 per point
   [ -n "${HOSTPROF:-}" ] && python3 -c "

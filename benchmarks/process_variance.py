@@ -86,11 +86,92 @@ def components(samples: list, key: str = "time_s") -> dict:
     return out
 
 
+def _rss(rows: list, y: list, factors: tuple) -> tuple:
+    """(residual sum of squares, parameters) of y on an intercept and the dummy columns of
+    ``factors`` (indices into each row; each factor's first level is the reference), least
+    squares by the normal equations (small: a few processes and vCPUs)."""
+    cols = []
+    for f in factors:
+        levels = sorted({r[f] for r in rows}, key=str)
+        cols += [[1.0 if r[f] == lv else 0.0 for r in rows] for lv in levels[1:]]
+    x = [[1.0] + [c[i] for c in cols] for i in range(len(rows))]
+    k = len(x[0])
+    a = [[sum(x[n][i] * x[n][j] for n in range(len(x))) for j in range(k)]
+         + [sum(x[n][i] * y[n] for n in range(len(x)))] for i in range(k)]
+    # Gauss-Jordan with partial pivoting; a column with no pivot (aliased) is dropped
+    rank, piv_cols = 0, []
+    for c in range(k):
+        p = max(range(rank, k), key=lambda i: abs(a[i][c]), default=None)
+        if p is None or abs(a[p][c]) < 1e-9:
+            continue
+        a[rank], a[p] = a[p], a[rank]
+        for i in range(k):
+            if i != rank and a[i][c]:
+                f = a[i][c] / a[rank][c]
+                a[i] = [u - f * v for u, v in zip(a[i], a[rank])]
+        piv_cols.append(c)
+        rank += 1
+    beta = [0.0] * k
+    for i, c in enumerate(piv_cols):
+        beta[c] = a[i][k] / a[i][c]
+    res = [y[n] - sum(b * v for b, v in zip(beta, x[n])) for n in range(len(x))]
+    return sum(e * e for e in res), rank
+
+
+def process_or_cpu(samples: list, key: str = "time_s") -> dict:
+    """Per scenario: is a sample's offset the process's or the vCPU's it ran on? Each
+    sample's log time less its repetition's mean, fitted on the process, on the vCPU (the
+    one the worker's timed runs mostly ended on, ``host[].cpu``) and on both; the F test of
+    each beside the other (nested least squares). Why: where the offset is the vCPU's,
+    placing every measured process on the same cores (``--pinning measure``) removes it;
+    where it is the process's, only more processes, or new ones (``--generations``), do."""
+    out = {}
+    by_sc = collections.defaultdict(lambda: collections.defaultdict(list))
+    for s in samples_by_process(samples):
+        cpus = [h.get("cpu") for h in s.get("host") or [] if h.get("cpu") is not None]
+        if s.get(key) and cpus:
+            cpu = collections.Counter(cpus).most_common(1)[0][0]
+            by_sc[s["scenario"]][s["rep"]].append((s["arm"], cpu, math.log(s[key])))
+    for sc, reps in by_sc.items():
+        rows, y = [], []
+        for xs in reps.values():
+            if len(xs) < 2:
+                continue
+            m = statistics.fmean(v for *_, v in xs)
+            rows += [(a, c) for a, c, _ in xs]
+            y += [100 * (v - m) for *_, v in xs]
+        procs, cpus = {r[0] for r in rows}, {r[1] for r in rows}
+        if len(procs) < 2 or len(cpus) < 2:
+            continue
+        tot = sum((v - statistics.fmean(y)) ** 2 for v in y)
+        (rp, kp), (rc, kc), (rb, kb) = (_rss(rows, y, f) for f in ((0,), (1,), (0, 1)))
+        df = len(y) - kb
+
+        def nested(r_small, k_small):
+            d1 = kb - k_small
+            if d1 < 1 or df < 1 or rb <= 0:
+                return None, None, d1
+            f = ((r_small - rb) / d1) / (rb / df)
+            return round(f, 3), round(f_sf(f, d1, df), 4), d1
+        fc, pc, dc = nested(rp, kp)
+        fp, pp, dp = nested(rc, kc)
+        out[sc] = {"samples": len(y), "processes": len(procs), "cpus": len(cpus),
+                   "r2_process": round(1 - rp / tot, 3), "r2_cpu": round(1 - rc / tot, 3),
+                   "r2_both": round(1 - rb / tot, 3),
+                   "F_cpu_given_process": fc, "p_cpu_given_process": pc, "df_cpu": [dc, df],
+                   "F_process_given_cpu": fp, "p_process_given_cpu": pp,
+                   "df_process": [dp, df]}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("raw")
     ap.add_argument("--key", default="time_s", help="time_s (median run) or fast_s")
     ap.add_argument("--json")
+    ap.add_argument("--by-cpu", action="store_true",
+                    help="also: the process's offset against the vCPU's it ran on "
+                         "(process_or_cpu)")
     a = ap.parse_args()
     try:
         raw = read_json(a.raw, require=("samples",))
@@ -102,9 +183,17 @@ def main():
               f"{c['process_mean_sd_pct']:.2f} %, residual {c['residual_sd_pct']:.2f} %, "
               f"sigma_p {c['sigma_p_pct']:.2f} % (F {c['F']:.2f}, p {c['p_value']:.3f}), "
               f"repetition effect {c['rep_effect_sd_pct']:.2f} %")
+    by_cpu = process_or_cpu(raw["samples"], a.key) if a.by_cpu else None
+    for sc, c in (by_cpu or {}).items():
+        print(f"{sc:14s} {c['processes']} processes on {c['cpus']} vCPUs: R^2 process "
+              f"{c['r2_process']:.2f}, vCPU {c['r2_cpu']:.2f}, both {c['r2_both']:.2f}; "
+              f"vCPU beside the process F {c['F_cpu_given_process']} (p "
+              f"{c['p_cpu_given_process']}), process beside the vCPU F "
+              f"{c['F_process_given_cpu']} (p {c['p_process_given_cpu']})")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"raw": a.raw, "key": a.key, "scenarios": comp}, f, indent=1)
+            json.dump({"raw": a.raw, "key": a.key, "scenarios": comp,
+                       **({"process_or_cpu": by_cpu} if a.by_cpu else {})}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,24 @@ def test_only_the_vanilla_arms_make_the_components():
     assert row["sigma_p_pct"] < 0.3                      # the A/B's offsets kept out
     assert row["observed"]["arm"] == "aa"
     assert abs(row["observed"]["half_width_pct"] - 0.5) < 1e-9
+
+
+def test_where_the_processes_that_fit_fall_short_fresh_generations_are_planned():
+    """sigma_p ~1 % with little sample noise: the two processes a side that fit (3 arms,
+    80 GiB) cannot reach ±1 %, started afresh in enough generations they can; the plan
+    counts only a design whose simulated CI is honest (coverage at least ``HONEST``), and
+    the verdict names the flag."""
+    raw = _raw(0.01, 0.003, procs=4, reps=12, seed=2)
+    (row,) = aad.design(raw, target=1.0, arms=3, max_procs=3, **FAST)
+    assert not row["fits_card"]
+    gen = row["with_generations"]
+    assert gen["procs"] == 2 and gen["generations_needed"] in aad.GENERATIONS
+    g = gen["generations_needed"]
+    assert gen["by_generations"][g] <= 1.0 and gen["coverage"][g] >= aad.HONEST
+    assert gen["reps"] == max(row["reps_plan"], 2 * g)
+    # every smaller generation count tried fell short of the target or of honesty
+    assert all(hw > 1.0 or gen["coverage"][k] < aad.HONEST
+               for k, hw in gen["by_generations"].items() if k < g)
+    assert f"--generations {g}" in aad.verdict(row, 1.0)
+    (quiet,) = aad.design(_raw(0.0005, 0.004), target=1.0, arms=2, **FAST)
+    assert "with_generations" not in quiet                 # nothing to plan where K fits

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -380,6 +382,88 @@ def test_a_process_that_died_mid_run_leaves_the_whole_run():
     [p] = e2e.compute_points(samples, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
                              "vanilla")
     assert (p["procs_arm"], p["procs_vanilla"], p["n"]) == (1, 2, 3)
+
+
+def test_the_repetitions_fall_in_generation_blocks_each_led_by_its_own_warm_up():
+    """``rep_plan``: the run's warm-ups, then the measured repetitions in G consecutive
+    blocks as even as they go, each later block led by one warm-up (new processes); one
+    generation is the plan before generations."""
+    assert e2e.rep_plan(2, 3) == [(None, 0), (None, 0), (0, 0), (1, 0), (2, 0)]
+    assert e2e.rep_plan(2, 7, 3) == [(None, 0), (None, 0), (0, 0), (1, 0), (2, 0),
+                                     (None, 1), (3, 1), (4, 1), (None, 2), (5, 2), (6, 2)]
+    assert e2e.rep_plan(0, 4, 2) == [(0, 0), (1, 0), (2, 1), (3, 1)]    # no warm-up asked
+    with pytest.raises(ValueError, match="generations must be between 1 and reps"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], reps=2, generations=3,
+                    device_type="cpu")
+
+
+def _generation_samples(k: int, generations: int, reps: int, sigma_p: float,
+                        seed: int) -> list:
+    """An A/A's samples (vanilla and aa, ``k`` processes each) in ``generations`` blocks,
+    every process with an offset of its own, drawn anew in each generation."""
+    rng = random.Random(seed)
+    out, off = [], {}
+    for r in range(reps):
+        g = r * generations // reps
+        level = rng.gauss(0, 0.05)
+        for arm in ("vanilla", "aa"):
+            for j in range(1, k + 1):
+                o = off.setdefault((g, arm, j), rng.gauss(0, sigma_p))
+                out.append({"scenario": "d", "arm": arm, "rep": r, "replica": j,
+                            "generation": g,
+                            "time_s": 1e-3 * math.exp(level + o + rng.gauss(0, 0.002))})
+    return out
+
+
+def test_generations_are_new_processes_and_the_ci_resamples_them():
+    """With generations, replica 2 of one generation is another process than replica 2 of
+    the next (``rep_table`` keys ``(generation, replica)``), a process missing from part of
+    its generation leaves that generation only, and the point counts every process. Offsets
+    drawn anew per generation average down: over several A/As the point of 2 processes a
+    side in 8 generations sits much nearer 1 than that of 2 processes kept for the whole
+    run (one generation), and its CI holds 1 in nearly all of them."""
+    sc = [Scenario("d", "decode", 1, 8, 9)]
+    samples = _generation_samples(2, 8, 16, 0.01, seed=3)
+    base = e2e.rep_table(samples, "d", "vanilla")
+    assert sorted(base[0]) == [(0, 1), (0, 2)] and sorted(base[15]) == [(7, 1), (7, 2)]
+    # aa's process 2 of generation 1 missing from one of its repetitions: out of that
+    # generation, no other
+    cut = [s for s in samples if not (s["arm"] == "aa" and s["generation"] == 1
+                                      and s["replica"] == 2 and s["rep"] == 2)]
+    arm = e2e.complete_processes(e2e.rep_table(cut, "d", "aa"))
+    assert sorted(arm[2]) == sorted(arm[3]) == [(1, 1)] and sorted(arm[0]) == [(0, 1), (0, 2)]
+    [p] = e2e.compute_points(samples, sc, ["vanilla", "aa"], "vanilla")
+    assert (p["n"], p["procs_arm"], p["procs_vanilla"]) == (16, 16, 16)
+    assert len(p["process_offsets_pct"]["vanilla"]) == 16
+    miss, held = {1: [], 8: []}, 0
+    for seed in range(12):
+        for g in (1, 8):
+            smp = _generation_samples(2, g, 16, 0.01, seed)
+            if g == 1:
+                for s in smp:
+                    s.pop("generation")
+            [q] = e2e.compute_points(smp, sc, ["vanilla", "aa"], "vanilla")
+            miss[g].append(abs(math.log(q["ratio_median"])))
+            held += g == 8 and q["ci_low"] <= 1.0 <= q["ci_high"]
+    assert statistics.median(miss[8]) < 0.6 * statistics.median(miss[1])
+    assert held >= 10
+
+
+def test_few_generations_also_draw_the_processes_inside_each():
+    """Below ``CLUSTER_GENERATIONS`` the generations alone are too few draws (two or three
+    resampled with replacement: the CI too narrow, session 43's simulation), so each drawn
+    generation's processes are drawn as well: the CI is at least as wide as the pure
+    generation-level draw would be."""
+    samples = _generation_samples(3, 2, 12, 0.01, seed=5)
+    base = e2e.rep_table(samples, "d", "vanilla")
+    arm = e2e.rep_table(samples, "d", "aa")
+    _, lo, hi, _ = e2e.hierarchical_ci(base, arm, resamples=800)
+    try:
+        e2e.CLUSTER_GENERATIONS, keep = 2, e2e.CLUSTER_GENERATIONS
+        _, lo2, hi2, _ = e2e.hierarchical_ci(base, arm, resamples=800)
+    finally:
+        e2e.CLUSTER_GENERATIONS = keep
+    assert hi - lo > hi2 - lo2
 
 
 def test_replica_workers_are_named_and_started_after_the_first_wave():
@@ -1153,6 +1237,39 @@ def test_two_processes_per_arm_are_each_timed_every_repetition(tmp_path):
     assert cost["first_round_s"] + 0.002 >= cost["round_s"]["decode_b2"][0] >= 0
     assert len(cost["round_s"]["decode_b2"]) == 2 and cost["last_rep_s"] > 0
     assert cost["spent_s"] + 0.002 >= cost["round_s"]["decode_b2"][1] >= 0
+
+
+@engine_test
+def test_generations_start_every_worker_again_between_blocks(tmp_path):
+    """``generations=2`` on the real engine: after the first block every worker is stopped
+    and started again (new processes, the first generation's logs kept), the second block
+    begins with a warm-up of its own, each sample says its generation, the point pairs all
+    repetitions, and the raw file and the notes say so."""
+    sc = [Scenario("decode_b2", "decode", 2, 8, 5)]
+    events = []
+    res = e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {}), Arm("aa", {})], sc, reps=2,
+                      warmup=1, inner=1, out_dir=str(tmp_path / "out"), generations=2,
+                      kernel_profile=False,
+                      progress=lambda ev, **kw: events.append((ev, kw.get("warmup"),
+                                                               kw.get("generation"))))
+    (restart,) = res.host["generations"]["restarts"]
+    assert restart["generation"] == 1 and "failed" not in restart
+    for name in ("vanilla", "aa"):
+        old, new = restart["pids"][name]
+        assert old != new and res.arms_info[name]["info"]["pid"] == new
+        assert res.arms_info[name]["started"]
+        assert (tmp_path / "out" / f"worker-{name}.g0.log").stat().st_size > 0
+    assert sorted((s["arm"], s["rep"], s["generation"]) for s in res.samples) == [
+        (a, r, r) for a in ("aa", "vanilla") for r in (0, 1)]
+    timeline = [e for e in events if e[0] in ("rep", "generation")]
+    assert timeline == [("rep", True, 0), ("rep", False, 0), ("generation", None, 1),
+                        ("rep", True, 1), ("rep", False, 1)]
+    [p] = res.points
+    assert (p["n"], p["procs_arm"], p["procs_vanilla"]) == (2, 2, 2)
+    assert any("2 generations of worker processes" in n for n in res.engine_notes)
+    raw = json.loads((tmp_path / "out" / "e2e-raw.json").read_text())
+    assert raw["host"]["generations"]["asked"] == 2
+    assert {s["generation"] for s in raw["samples"]} == {0, 1}
 
 
 def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():

@@ -57,3 +57,38 @@ def test_cli_prints_and_writes(tmp_path):
                        capture_output=True, text=True, check=True)
     assert "decode_b1" in p.stdout and "sigma_p" in p.stdout
     assert json.loads(out.read_text())["scenarios"]["decode_b1"]["processes"] == 4
+
+
+def _placed(offset_of: str, reps: int = 15, seed: int = 4) -> list:
+    """Six processes that move between eight vCPUs from repetition to repetition; the
+    offset (1 % steps) belongs to the process or to the vCPU, as ``offset_of`` says."""
+    rng = random.Random(seed)
+    proc_off = [0.01 * (i - 2.5) for i in range(6)]
+    cpu_off = [0.01 * (c - 3.5) for c in range(8)]
+    out = []
+    for r in range(reps):
+        drift = rng.gauss(0, 0.01)
+        for i in range(6):
+            cpu = rng.randrange(8)
+            off = proc_off[i] if offset_of == "process" else cpu_off[cpu]
+            arm, rep_ = ("vanilla", i // 2 + 1) if i % 2 == 0 else ("aa", i // 2 + 1)
+            out.append({"scenario": "prefill_2048", "arm": arm, "replica": rep_, "rep": r,
+                        "host": [{"cpu": cpu}, {"cpu": cpu}],
+                        "time_s": 0.02 * math.exp(off + drift + rng.gauss(0, 0.003))})
+    return out
+
+
+def test_the_offset_is_told_apart_as_the_processs_or_the_vcpus():
+    """process_or_cpu: an offset that travels with the process reads as the process's (the
+    vCPU adds nothing beside it), one that stays with the vCPU as the vCPU's; what pinning
+    can fix and what it cannot."""
+    (c,) = pv.process_or_cpu(_placed("process")).values()
+    assert c["processes"] == 6 and c["cpus"] == 8
+    assert c["p_process_given_cpu"] < 0.001 and c["p_cpu_given_process"] > 0.05
+    assert c["r2_process"] > 0.8
+    (c,) = pv.process_or_cpu(_placed("cpu")).values()
+    assert c["p_cpu_given_process"] < 0.001 and c["p_process_given_cpu"] > 0.05
+    assert c["r2_cpu"] > 0.8
+    # samples without a host record say nothing about vCPUs
+    bare = [{k: v for k, v in s.items() if k != "host"} for s in _placed("process")]
+    assert pv.process_or_cpu(bare) == {}

@@ -363,7 +363,8 @@ def cmd_bench(a) -> int:
                      ("--pinning", a.pinning), ("--probe-gate", a.probe_gate),
                      ("--time-limit", a.time_limit), ("--start-state", a.start_state),
                      ("--inner", a.inner), ("--prefill-inner", a.prefill_inner),
-                     ("--interleave", a.interleave), ("--procs", a.procs)):
+                     ("--interleave", a.interleave), ("--procs", a.procs),
+                     ("--generations", a.generations)):
         if v is not None:
             raise UsageError(f"{flag_} belongs to `fltune bench --e2e`")
     a.db = a.db or DEFAULT_DB
@@ -491,8 +492,13 @@ def cmd_bench_e2e(a) -> int:
         elif event == "started" and not kw["ok"]:
             con.print(f"[yellow]arm {kw['arm']} did not start:[/] {kw['error']}")
         elif event == "rep":
-            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {kw['rep'] + 1 - (0 if kw['warmup'] else warmup)} "
-                      f"{kw['scenario']}")
+            n = kw["rep"] + 1 if kw["warmup"] else kw["measured_rep"] + 1
+            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {n} {kw['scenario']}"
+                      + (f" (generation {kw['generation'] + 1})" if kw.get("generation") else ""))
+        elif event == "generation":
+            con.print(f"generation {kw['generation'] + 1}: every worker started again"
+                      + (f"; [yellow]did not start:[/] {', '.join(kw['failed'])}"
+                         if kw["failed"] else ""))
         elif event == "profiled":
             con.print(f"kernel profile round {kw.get('round', 0) + 1} {kw['scenario']}")
         elif event == "host_profiled":
@@ -510,7 +516,8 @@ def cmd_bench_e2e(a) -> int:
                            time_limit_s=a.time_limit, host_profile=a.host_profile,
                            start_state=a.start_state, inner=a.inner,
                            prefill_inner=a.prefill_inner, interleave=a.interleave,
-                           procs=a.procs, extra_notes=served_notes)
+                           procs=a.procs, generations=a.generations,
+                           extra_notes=served_notes)
 
     if a.kernel_profile and a.engine_process == "multiprocess":
         raise UsageError("--kernel-profile needs --engine-process in-process: the multiprocess "
@@ -1109,6 +1116,12 @@ def _add_bench(sub) -> None:
                         "in every repetition; the CI resamples processes as well as "
                         "repetitions, so an offset of one process reads as noise, not as an "
                         "effect (engine starts and run time grow K-fold)")
+    e.add_argument("--generations", type=_int_in(1, 64), metavar="G",
+                   help="start every worker again G-1 times during the run (default 1; "
+                        "FLTUNE_E2E_GENERATIONS): the repetitions in G blocks, each on new "
+                        "processes after a warm-up of its own, and the CI resamples the "
+                        "blocks, so a process's own offset averages over processes x "
+                        "generations (at most --reps; each restart costs an engine start)")
     e.add_argument("--interleave", choices=["runs", "arms"],
                    help="runs (default; FLTUNE_E2E_INTERLEAVE): a repetition's runs one per "
                         "arm in turn, A B C A B C ..., so a slow second of the host lands on "

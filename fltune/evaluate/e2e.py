@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 from ..util import ENGINE_MAX_BATCHED_TOKENS
@@ -172,51 +173,95 @@ def paired_ratios(base: dict, arm: dict, base_procs=None, arm_procs=None,
     return out
 
 
+#: generations from which :func:`hierarchical_ci` resamples the generations alone (below:
+#: the processes inside each drawn generation too)
+CLUSTER_GENERATIONS = 5
+
+
 def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
                     confidence: float = 0.95, seed: int = 0) -> tuple:
     """(median, low, high, ratios) of the paired ratio where each arm ran in one or more
-    worker processes (``run_e2e(procs=)``): the point is the median over repetitions of
-    :func:`paired_ratios`; each bootstrap draw resamples, with replacement, first each
-    side's processes, then the repetitions (the two levels of a hierarchical bootstrap).
+    worker processes (``run_e2e(procs=)``), possibly in several generations of them
+    (``run_e2e(generations=)``): the point is the median over repetitions of
+    :func:`paired_ratios`; each bootstrap draw resamples, with replacement, the level that
+    holds the processes' offsets (each side's processes where there is one generation, the
+    generations where there are several), then the repetitions (within each drawn
+    generation): a hierarchical bootstrap.
 
     Why the processes are a level of their own: an offset that belongs to a process (where
     its memory landed, what its host threads share, how its engine warmed up) is the same
     in every repetition, so resampling repetitions alone cannot see it, and an A/A of two
     single processes can then read 1-2 % apart with a CI clear of 1 (session 33's H100
-    run, session 28's H200 runs). With one process per side nothing is drawn at the first
-    level and this is :func:`bootstrap_ci` of the paired ratios, draw for draw."""
+    run, session 28's H200 runs). Why generations above them: a generation is a fresh draw
+    of every arm's processes (:func:`generation_of`), so its offsets are new draws too, and
+    the offsets average over processes x generations instead of the processes one card
+    holds at once. From :data:`CLUSTER_GENERATIONS` generations on, a generation's
+    processes are not drawn again inside it: its mean offset is what the generation level
+    resamples, and drawing both read 95 % CIs that held 1 in 99-100 % of simulated A/As,
+    ~25 % wider than honest (session 43, ``benchmarks/procs_coverage.py --generations``).
+    Below that, few generations drawn with replacement see too few distinct offsets (two:
+    80 % coverage, four: 91 %), so the processes are drawn inside each as well
+    (conservative, not dishonest). With one generation and one process per side nothing is
+    drawn but the repetitions: this is then :func:`bootstrap_ci` of the paired ratios, draw
+    for draw."""
     base, arm = complete_processes(base), complete_processes(arm)
     reps = sorted(r for r in base if r in arm)
     ratios = paired_ratios(base, arm, reps=reps)
-    bp = sorted({j for r in reps for j in base[r]})
-    ap = sorted({j for r in reps for j in arm[r]})
-    if len(bp) <= 1 and len(ap) <= 1:
+    gens: dict = {}
+    for r in reps:
+        gens.setdefault(_rep_generation(base[r], arm[r]), []).append(r)
+    levels = [(g, rs, sorted({j for r in rs for j in base[r]}),
+               sorted({j for r in rs for j in arm[r]})) for g, rs in sorted(gens.items())]
+    if len(levels) <= 1 and all(len(bp) <= 1 and len(ap) <= 1 for _, _, bp, ap in levels):
         return (*bootstrap_ci(ratios, resamples=resamples, confidence=confidence,
                               seed=seed), ratios)
     med = statistics.median(ratios)
     rng = random.Random(seed)
     meds = []
     for _ in range(resamples):
-        bsel = rng.choices(bp, k=len(bp)) if len(bp) > 1 else bp
-        asel = rng.choices(ap, k=len(ap)) if len(ap) > 1 else ap
-        xs = paired_ratios(base, arm, bsel, asel, rng.choices(reps, k=len(reps)))
+        xs = []
+        drawn = rng.choices(levels, k=len(levels)) if len(levels) > 1 else levels
+        inner = len(levels) < CLUSTER_GENERATIONS     # processes drawn inside too
+        for _, rs, bp, ap in drawn:
+            bsel = rng.choices(bp, k=len(bp)) if inner and len(bp) > 1 else bp
+            asel = rng.choices(ap, k=len(ap)) if inner and len(ap) > 1 else ap
+            xs += paired_ratios(base, arm, bsel, asel, rng.choices(rs, k=len(rs)))
         if xs:
             meds.append(statistics.median(xs))
     # (every draw empty only where each process ran in a repetition of its own)
     return (*_percentile_interval(med, sorted(meds) or [med], confidence), ratios)
 
 
+def generation_of(process) -> int:
+    """The generation of a process key of :func:`rep_table`: ``(generation, replica)`` in a
+    run with several generations, a plain replica index (generation 0) otherwise."""
+    return process[0] if isinstance(process, tuple) else 0
+
+
+def _rep_generation(*tables) -> int:
+    """The generation a repetition ran in, from its process keys (one generation per
+    repetition: every process is started again between generations)."""
+    return max((generation_of(j) for t in tables for j in t), default=0)
+
+
 def complete_processes(table: dict) -> dict:
-    """``table`` (:func:`rep_table`) kept to the processes present in every repetition it
-    has, where at least one is: a process that died mid-run (or one whose worker failed a
-    call) leaves the whole run, so that every repetition's mean is over the same processes
-    and its offset does not enter the later repetitions as a step."""
+    """``table`` (:func:`rep_table`) kept, generation by generation, to the processes
+    present in every repetition of their generation, where at least one is: a process that
+    died mid-run (or one whose worker failed a call) leaves the whole run (its generation's
+    part), so that every repetition's mean is over the same processes and its offset does
+    not enter the later repetitions as a step."""
     if not table:
         return table
-    keep = set.intersection(*(set(t) for t in table.values()))
-    if not keep or all(set(t) == keep for t in table.values()):
-        return table
-    return {r: {j: x for j, x in t.items() if j in keep} for r, t in table.items()}
+    by_gen: dict = {}
+    for r, t in table.items():
+        by_gen.setdefault(_rep_generation(t), []).append(r)
+    out: dict = {}
+    for rs in by_gen.values():
+        keep = set.intersection(*(set(table[r]) for r in rs))
+        for r in rs:
+            out[r] = ({j: x for j, x in table[r].items() if j in keep} if keep
+                      else table[r])
+    return {r: out[r] for r in table}
 
 
 def process_offsets(table: dict) -> list:
@@ -798,6 +843,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             interleave: str | None = None,
             prefill_inner: int | None = None,
             procs: int | None = None,
+            generations: int | None = None,
             extra_notes: list | None = None) -> E2EResult:
     """Measure ``arms`` on ``scenarios`` (see the module doc). ``model``: a profile name or
     an HF config directory. ``engine`` overrides the default engine arguments (a key set to
@@ -859,6 +905,15 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     (:func:`replica_arms`), each timed in every repetition, and the point's CI resamples
     the processes as well as the repetitions (:func:`hierarchical_ci`): why, see
     :data:`PROCESS_NOTE`. The kernel and host profiles run in each arm's first process.
+    ``generations`` (default ``FLTUNE_E2E_GENERATIONS``, else 1): the measured repetitions
+    in this many consecutive blocks (:func:`rep_plan`), every worker stopped and started
+    again (loaded) before each block after the first, followed by one warm-up repetition;
+    each sample says its generation, and the CI resamples generations
+    (:func:`hierarchical_ci`). Why: an offset that belongs to a process averages down only
+    over processes, and one card holds few at once (at a 2048-token prefill on session
+    35's H100, ~1 % per process: eleven a side for ±1 %, three cards' worth); started again,
+    the same engines are new draws (:data:`GENERATION_NOTE`). The kernel profile's later
+    rounds run in the last generation's processes.
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
@@ -877,6 +932,17 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         except ValueError:
             raise ValueError(f"FLTUNE_E2E_PROCS={env_procs!r}: a whole number of worker "
                              f"processes per arm (1 or more)") from None
+    n_generations = generations
+    if n_generations is None:
+        env_gens = os.environ.get("FLTUNE_E2E_GENERATIONS") or "1"
+        try:
+            n_generations = int(env_gens)
+        except ValueError:
+            raise ValueError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
+                             f"process generations (1 or more)") from None
+    if not 1 <= n_generations <= reps:
+        raise ValueError(f"generations must be between 1 and reps ({reps}): each "
+                         f"generation measures at least one repetition; got {n_generations}")
     # from here on every "arm" is one worker process: an arm's first keeps its name
     arm_names, arms = names, replica_arms(arms, n_procs)
     replica_of = {a.name: (base, j) for a, (base, j) in zip(arms,
@@ -962,7 +1028,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     arms_info: dict = {}
     procs: dict = {}
     progress("start", arms=names, scenarios=[s.name for s in scenarios],
-             total=(warmup + reps) * len(scenarios))
+             total=len(rep_plan(warmup, reps, n_generations)) * len(scenarios))
     # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
     # 2-core machine cannot be given two each anyway
     pin = plan_pinning(pinning) if device_type == "cuda" else None
@@ -1283,8 +1349,50 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             cost["reserved_s"] = round(left, 2)
             return left
 
-        for r in range(warmup + reps):
-            measured = r >= warmup
+        gens_rec: dict = {}
+        if n_generations > 1:
+            gens_rec = host["generations"] = {"asked": n_generations, "restarts": []}
+
+        def new_generation(gen: int, rep_s: float) -> bool:
+            """Every live worker stopped and started again (``generations``): new processes,
+            each a new draw of whatever offset a process carries, loading what the first
+            generation compiled. False (and the run ends there, said) where the restart
+            and a repetition after it would not fit the time limit."""
+            est = (gens_rec["restarts"][-1]["s"] if gens_rec["restarts"]
+                   else max([arms_info[n].get("start_s") or 0.0 for n in procs] or [0.0]))
+            if deadline and not _block_fits(time.monotonic(), est + 2 * rep_s, deadline):
+                time_limit_record()["generations_done"] = gen
+                progress("time_limit", reps_done=reps_done, reps=reps)
+                return False
+            t_gen = time.monotonic()
+            live = [a for a in arms if a.name in procs]
+            old_pids = {a.name: procs[a.name].p.pid for a in live}
+            with ThreadPoolExecutor(max(1, len(live))) as ex:   # engines' shutdowns overlap
+                list(ex.map(lambda a: procs.pop(a.name).stop(), live))
+            for a in live:
+                info = arms_info[a.name]
+                os.replace(info["log"], os.path.join(work, f"worker-{a.name}.g{gen - 1}.log"))
+                info.pop("start_s", None)
+            for wave in waves_of(live):
+                start_wave(wave)
+            failed = [a.name for a in live if a.name not in procs]
+            gens_rec["restarts"].append({"generation": gen,
+                                         "s": round(time.monotonic() - t_gen, 1),
+                                         "pids": {n: [pid, procs[n].p.pid if n in procs
+                                                      else None]
+                                                  for n, pid in old_pids.items()},
+                                         **({"failed": failed} if failed else {})})
+            progress("generation", generation=gen, failed=failed)
+            return True
+
+        plan = rep_plan(warmup, reps, n_generations)
+        generation = 0
+        for r, (m, gen) in enumerate(plan):
+            measured = m is not None
+            if gen != generation:
+                if not new_generation(gen, last_rep_s):
+                    break
+                generation = gen
             if kernel_profile and r == min(1, warmup):
                 reserve_s = first_profile_round()
             t_rep = time.monotonic()
@@ -1292,8 +1400,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
             for sc in scenarios:
                 if out_of_time(sc.name):
                     rec = time_limit_record()
-                    rec["cut"] = {"rep": r - warmup if measured else None,
-                                  "warmup": not measured, "scenario": sc.name}
+                    rec["cut"] = {"rep": m, "warmup": not measured, "scenario": sc.name}
+                    if n_generations > 1:
+                        rec["cut"]["generation"] = gen
                     progress("time_limit", reps_done=reps_done, reps=reps)
                     cut = True
                     break
@@ -1326,12 +1435,14 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                     if measured and replies.get(name) and name in procs:
                         res = merge_time_replies(replies[name])
                         base, j = replica_of[name]
-                        samples.append({"rep": r - warmup, "scenario": sc.name, "arm": base,
+                        samples.append({"rep": m, "scenario": sc.name, "arm": base,
                                         "replica": j, "position": pos,
+                                        **({"generation": gen} if n_generations > 1 else {}),
                                         "time_s": step_estimate(sc, res),
                                         "fast_s": fast_level_estimate(sc, res), **res})
                 block_s[sc.name] = time.monotonic() - t_block
-                progress("rep", rep=r, warmup=not measured, scenario=sc.name)
+                progress("rep", rep=r, warmup=not measured, scenario=sc.name,
+                         measured_rep=m, generation=gen)
             if out_dir and measured:
                 # a run cut short (a device call's time limit) keeps what it measured
                 with open(os.path.join(work, "e2e-raw.partial.json"), "w") as f:
@@ -1341,7 +1452,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 break
             reps_done += int(measured)
             last_rep_s = time.monotonic() - t_rep
-            if deadline and reps_done and r + 1 < warmup + reps and not _reps_fit(
+            if deadline and reps_done and r + 1 < len(plan) and not _reps_fit(
                     time.monotonic(), last_rep_s, deadline, reserve_s):
                 time_limit_record()
                 progress("time_limit", reps_done=reps_done, reps=reps)
@@ -1403,6 +1514,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         host["procs"] = {"asked": n_procs, "started": procs_started}
     if procs_started > 1:
         notes = notes + [PROCESS_NOTE.format(procs=procs_started)]
+    if gens_rec.get("restarts"):
+        notes = notes + [GENERATION_NOTE.format(generations=len(gens_rec["restarts"]) + 1,
+                                                restarts=len(gens_rec["restarts"]))]
     host["speed"] = host_speed(samples)
     if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
         notes = notes + [slow_host_note(host["speed"])]
@@ -1747,16 +1861,22 @@ def kernel_deltas(base: dict | None, arm: dict | None, n: int = 5) -> list:
 
 
 def rep_table(samples: list, scenario: str, arm: str, value=None) -> dict:
-    """repetition -> {replica -> seconds} of one arm's samples of one scenario; ``value``
-    (sample -> seconds or None, default its ``time_s``) picks the estimate. A sample from
-    before ``procs`` is replica 1; a time that is missing or not positive is left out."""
+    """repetition -> {process -> seconds} of one arm's samples of one scenario; ``value``
+    (sample -> seconds or None, default its ``time_s``) picks the estimate. The process is
+    the sample's replica index (a sample from before ``procs`` is replica 1), or
+    ``(generation, replica)`` where the sample says its generation (a run with several,
+    ``run_e2e(generations=)``: replica 2 of one generation is another process than replica
+    2 of the next). A time that is missing or not positive is left out."""
     value = value or (lambda s: s.get("time_s"))
     out: dict = {}
     for s in samples:
         if s["scenario"] == scenario and s["arm"] == arm:
             t = value(s)
             if t is not None and t > 0:
-                out.setdefault(s["rep"], {})[s.get("replica", 1)] = t
+                j = s.get("replica", 1)
+                if "generation" in s:
+                    j = (s["generation"], j)
+                out.setdefault(s["rep"], {})[j] = t
     return out
 
 
@@ -1870,6 +1990,35 @@ def samples_by_process(samples: list) -> list:
     scripts that put every run on one time line, or compare A/A processes); a sample from
     before ``procs`` is its arm's first process and keeps its name."""
     return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))} for s in samples]
+
+
+#: warm-up repetitions after each restart of a later generation (``run_e2e(generations=)``):
+#: a new process's first calls at a scenario's shapes carry first-call work (allocator
+#: growth, a kernel's first launch), which its measured repetitions must not
+GENERATION_WARMUP = 1
+
+
+def rep_plan(warmup: int, reps: int, generations: int = 1) -> list:
+    """The run's repetitions in order, each ``(measured index or None for a warm-up,
+    generation)``: ``warmup`` warm-ups, then the ``reps`` measured ones split into
+    ``generations`` consecutive blocks as even as they go (the earlier ones one longer),
+    each later block led by min(``warmup``, :data:`GENERATION_WARMUP`) warm-ups of its own
+    (its processes are new)."""
+    out = [(None, 0)] * warmup
+    for m in range(reps):
+        g = m * generations // reps
+        if g and (m - 1) * generations // reps != g:
+            out += [(None, g)] * min(warmup, GENERATION_WARMUP)
+        out.append((m, g))
+    return out
+
+
+#: the engine note of a run with several generations of processes
+GENERATION_NOTE = ("{generations} generations of worker processes: every worker was started "
+                   "again (loaded) {restarts} times during the run, the repetitions in "
+                   "consecutive blocks, one per generation, after a warm-up of its own; a "
+                   "process's offset is a new draw in each generation, and the CI resamples "
+                   "the generations, so such offsets average over processes x generations")
 
 
 def replica_index(names: list, procs: int) -> list:
