@@ -54,35 +54,51 @@ def f_sf(f: float, d1: int, d2: int) -> float:
 
 def components(samples: list, key: str = "time_s") -> dict:
     """Per scenario: processes P, repetitions R (those every process has), the spread of
-    the processes' means, the residual SD, sigma_p and the F test, all as % of log time."""
-    by = collections.defaultdict(dict)
-    for s in samples_by_process(samples):      # each process an arm: vanilla, vanilla.p2, ...
+    the processes' means, the residual SD, sigma_p and the F test, all as % of log time.
+    A run with several generations (``--generations``: new processes per block of
+    repetitions) is read block by block, each an ANOVA of its own processes, and the blocks'
+    sums of squares pooled (P and R: their totals)."""
+    by = collections.defaultdict(lambda: collections.defaultdict(dict))
+    for s in samples:
         if s.get(key):
-            by[s["scenario"]][(s["arm"], s["rep"])] = s[key]
+            (p,) = samples_by_process([s])     # each process an arm: vanilla, vanilla.p2, ...
+            by[s["scenario"]][s.get("generation", 0)][(p["arm"], s["rep"])] = s[key]
     out = {}
-    for sc, m in by.items():
-        procs = sorted({a for a, _ in m})
-        reps = sorted(k for k in {k for _, k in m} if all((a, k) in m for a in procs))
-        if len(procs) < 2 or len(reps) < 2:
+    for sc, gens in by.items():
+        ss_p = ss_r = df_p = df_r = 0.0
+        n_p = n_r = n_g = 0
+        rep_means, offsets = [], {}
+        for m in gens.values():
+            procs = sorted({a for a, _ in m})
+            reps = sorted(k for k in {k for _, k in m} if all((a, k) in m for a in procs))
+            if len(procs) < 2 or len(reps) < 2:
+                continue
+            # (plain Python: the project declares no numpy)
+            y = [[math.log(m[(a, k)]) for k in reps] for a in procs]
+            p, r = len(procs), len(reps)
+            g = statistics.fmean(v for row in y for v in row)
+            pm = [statistics.fmean(row) for row in y]
+            rm = [statistics.fmean(col) for col in zip(*y)]
+            ss_p += r * sum((x - g) ** 2 for x in pm)
+            ss_r += sum((y[i][j] - pm[i] - rm[j] + g) ** 2 for i in range(p) for j in range(r))
+            df_p += p - 1
+            df_r += (p - 1) * (r - 1)
+            n_p, n_r, n_g = n_p + p, n_r + r, n_g + 1
+            rep_means += [x - g for x in rm]
+            offsets.update({a: round(100 * (v - g), 3) for a, v in zip(procs, pm)})
+        if not df_p:
             continue
-        # (plain Python: the project declares no numpy)
-        y = [[math.log(m[(a, k)]) for k in reps] for a in procs]
-        p, r = len(procs), len(reps)
-        g = statistics.fmean(v for row in y for v in row)
-        pm = [statistics.fmean(row) for row in y]
-        rm = [statistics.fmean(col) for col in zip(*y)]
-        ss_p = sum((x - g) ** 2 for x in pm)
-        msp = r * ss_p / (p - 1)
-        msr = sum((y[i][j] - pm[i] - rm[j] + g) ** 2
-                  for i in range(p) for j in range(r)) / ((p - 1) * (r - 1))
+        r_bar = n_r / n_g                     # repetitions per generation, on average
+        msp, msr = ss_p / df_p, ss_r / df_r
         f = msp / msr
-        out[sc] = {"processes": p, "reps": r,
-                   "process_mean_sd_pct": 100 * math.sqrt(ss_p / (p - 1)),
+        out[sc] = {"processes": n_p, "reps": n_r,
+                   **({"generations": n_g} if len(gens) > 1 else {}),
+                   "process_mean_sd_pct": 100 * math.sqrt(msp / r_bar),
                    "residual_sd_pct": 100 * math.sqrt(msr),
-                   "sigma_p_pct": 100 * math.sqrt(max(0.0, (msp - msr) / r)),
-                   "F": f, "p_value": f_sf(f, p - 1, (p - 1) * (r - 1)),
-                   "rep_effect_sd_pct": 100 * statistics.stdev(rm),
-                   "offsets_pct": {a: round(100 * (v - g), 3) for a, v in zip(procs, pm)}}
+                   "sigma_p_pct": 100 * math.sqrt(max(0.0, (msp - msr) / r_bar)),
+                   "F": f, "p_value": f_sf(f, int(df_p), int(df_r)),
+                   "rep_effect_sd_pct": 100 * statistics.stdev(rep_means),
+                   "offsets_pct": offsets}
     return out
 
 

@@ -92,3 +92,29 @@ def test_the_offset_is_told_apart_as_the_processs_or_the_vcpus():
     # samples without a host record say nothing about vCPUs
     bare = [{k: v for k, v in s.items() if k != "host"} for s in _placed("process")]
     assert pv.process_or_cpu(bare) == {}
+
+
+def test_a_run_with_generations_is_read_block_by_block():
+    """--generations: replica 2 of each block is a new process with a new offset. Read
+    block by block and pooled, sigma_p comes back near the one drawn; read as if the
+    replicas were the same processes throughout (the generation dropped), the offsets of
+    different blocks would cancel into a much smaller one."""
+    rng = random.Random(7)
+    offs = {(g, arm, j): rng.gauss(0, 0.01) for g in range(6) for arm in ("vanilla", "aa")
+            for j in (1, 2, 3)}
+    samples = []
+    for r in range(24):
+        g, drift = r // 4, rng.gauss(0, 0.01)
+        for arm in ("vanilla", "aa"):
+            for j in (1, 2, 3):
+                off = offs[(g, arm, j)]
+                samples.append({"scenario": "prefill_2048", "arm": arm, "replica": j,
+                                "rep": r, "generation": g,
+                                "time_s": 0.02 * math.exp(off + drift + rng.gauss(0, 0.002))})
+    (c,) = pv.components(samples).values()
+    assert c["generations"] == 6 and c["processes"] == 36 and c["reps"] == 24
+    assert 0.6 < c["sigma_p_pct"] < 1.5 and c["p_value"] < 1e-6
+    assert "vanilla.p2@g3" in c["offsets_pct"]
+    (flat,) = pv.components([{k: v for k, v in s.items() if k != "generation"}
+                             for s in samples]).values()
+    assert "generations" not in flat and flat["sigma_p_pct"] < 0.7 * c["sigma_p_pct"]

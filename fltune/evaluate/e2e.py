@@ -1988,8 +1988,11 @@ def samples_by_process(samples: list) -> list:
     """The samples with each worker process as an arm of its own (``vanilla``,
     ``vanilla.p2``, ...; ``run_e2e(procs=)``): what a reading per process needs (the
     scripts that put every run on one time line, or compare A/A processes); a sample from
-    before ``procs`` is its arm's first process and keeps its name."""
-    return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))} for s in samples]
+    before ``procs`` is its arm's first process and keeps its name. In a run with several
+    generations (``run_e2e(generations=)``) a process is also its generation's:
+    ``vanilla.p2@g1`` (each generation's workers are new processes)."""
+    return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))
+             + (f"@g{s['generation']}" if "generation" in s else "")} for s in samples]
 
 
 #: warm-up repetitions after each restart of a later generation (``run_e2e(generations=)``):
