@@ -397,6 +397,23 @@ def test_the_repetitions_fall_in_generation_blocks_each_led_by_its_own_warm_up()
                     device_type="cpu")
 
 
+def test_generations_from_the_environment_fit_a_shorter_run(monkeypatch, tmp_path):
+    """FLTUNE_E2E_GENERATIONS also reaches the adjudications' shorter runs: there it is
+    capped at one generation per repetition instead of refusing the run; a value that is
+    no whole number, or below 1, is refused with the variable named."""
+    monkeypatch.setenv("FLTUNE_E2E_GENERATIONS", "x")
+    with pytest.raises(ValueError, match="FLTUNE_E2E_GENERATIONS='x'"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], reps=2, device_type="cpu")
+    monkeypatch.setenv("FLTUNE_E2E_GENERATIONS", "0")
+    with pytest.raises(ValueError, match="generations must be between 1 and reps"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], reps=2, device_type="cpu")
+    # capped at reps: the run gets past that check to the next one (a bad interleave)
+    monkeypatch.setenv("FLTUNE_E2E_GENERATIONS", "6")
+    with pytest.raises(ValueError, match="interleave must be one of"):
+        e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], reps=2, device_type="cpu",
+                    interleave="blocks")
+
+
 def _generation_samples(k: int, generations: int, reps: int, sigma_p: float,
                         seed: int) -> list:
     """An A/A's samples (vanilla and aa, ``k`` processes each) in ``generations`` blocks,

@@ -936,7 +936,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if n_generations is None:
         env_gens = os.environ.get("FLTUNE_E2E_GENERATIONS") or "1"
         try:
-            n_generations = int(env_gens)
+            # (from the environment, which also reaches the adjudications' shorter runs:
+            # at most one generation per repetition)
+            n_generations = min(int(env_gens), reps) if int(env_gens) >= 1 else 0
         except ValueError:
             raise ValueError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
                              f"process generations (1 or more)") from None
