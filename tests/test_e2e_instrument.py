@@ -465,6 +465,10 @@ def test_generations_are_new_processes_and_the_ci_resamples_them():
     [p] = e2e.compute_points(samples, sc, ["vanilla", "aa"], "vanilla")
     assert (p["n"], p["procs_arm"], p["procs_vanilla"]) == (16, 16, 16)
     assert len(p["process_offsets_pct"]["vanilla"]) == 16
+    # one process a side per generation: no sibling to sit apart from, no offsets shown
+    [p1] = e2e.compute_points(_generation_samples(1, 4, 8, 0.01, seed=3), sc,
+                              ["vanilla", "aa"], "vanilla")
+    assert p1["procs_arm"] == 4 and p1["process_offsets_pct"] is None
     miss, held = {1: [], 8: []}, 0
     for seed in range(12):
         for g in (1, 8):

@@ -492,8 +492,9 @@ def cmd_bench_e2e(a) -> int:
         elif event == "started" and not kw["ok"]:
             con.print(f"[yellow]arm {kw['arm']} did not start:[/] {kw['error']}")
         elif event == "rep":
-            n = kw["rep"] + 1 if kw["warmup"] else kw["measured_rep"] + 1
-            con.print(f"{'warm-up' if kw['warmup'] else 'rep'} {n} {kw['scenario']}"
+            n = ("" if kw.get("generation") else f" {kw['rep'] + 1}") if kw["warmup"] \
+                else f" {kw['measured_rep'] + 1}"
+            con.print(f"{'warm-up' if kw['warmup'] else 'rep'}{n} {kw['scenario']}"
                       + (f" (generation {kw['generation'] + 1})" if kw.get("generation") else ""))
         elif event == "generation":
             con.print(f"generation {kw['generation'] + 1}: every worker started again"

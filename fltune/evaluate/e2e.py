@@ -1519,8 +1519,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if procs_started > 1:
         notes = notes + [PROCESS_NOTE.format(procs=procs_started)]
     if gens_rec.get("restarts"):
-        notes = notes + [GENERATION_NOTE.format(generations=len(gens_rec["restarts"]) + 1,
-                                                restarts=len(gens_rec["restarts"]))]
+        n = len(gens_rec["restarts"])
+        notes = notes + [GENERATION_NOTE.format(generations=n + 1,
+                                                restarts="once" if n == 1 else f"{n} times")]
     host["speed"] = host_speed(samples)
     if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
         notes = notes + [slow_host_note(host["speed"])]
@@ -1936,11 +1937,17 @@ def compute_points(samples: list, scenarios: list, arm_names: list, baseline: st
                                             for r in reps]) * 1e6,
                 "ci_half_width": (hi - lo) / 2, "ratios": ratios,
                 "procs_arm": procs_arm, "procs_vanilla": procs_base,
-                "process_offsets_pct": ({"arm": process_offsets(arm),
-                                         "vanilla": process_offsets(base)}
-                                        if max(procs_arm, procs_base) > 1 else None),
+                "process_offsets_pct": _offsets_or_none(arm, base),
                 **_fast_figures(samples, sc, name, baseline)})
     return points
+
+
+def _offsets_or_none(arm: dict, base: dict) -> dict | None:
+    """The point's ``process_offsets_pct`` (:func:`process_offsets` of each side), or None
+    where no process had a sibling to sit apart from (one process per arm, in one
+    generation or in several)."""
+    offs = {"arm": process_offsets(arm), "vanilla": process_offsets(base)}
+    return offs if any(x is not None for side in offs.values() for x in side) else None
 
 
 def _fast_figures(samples: list, scenario: Scenario, arm: str, baseline: str) -> dict:
@@ -2008,10 +2015,12 @@ def samples_by_process(samples: list) -> list:
     ``vanilla.p2``, ...; ``run_e2e(procs=)``): what a reading per process needs (the
     scripts that put every run on one time line, or compare A/A processes); a sample from
     before ``procs`` is its arm's first process and keeps its name. In a run with several
-    generations (``run_e2e(generations=)``) a process is also its generation's:
-    ``vanilla.p2@g1`` (each generation's workers are new processes)."""
+    generations (``run_e2e(generations=)``) a later generation's process is also named
+    for it: ``vanilla.p2@g1`` (each generation's workers are new processes); the first
+    generation's keep the plain names, so the baseline's first process is still the
+    baseline by name."""
     return [{**s, "arm": replica_name(s["arm"], s.get("replica", 1))
-             + (f"@g{s['generation']}" if "generation" in s else "")} for s in samples]
+             + (f"@g{s['generation']}" if s.get("generation") else "")} for s in samples]
 
 
 #: warm-up repetitions after each restart of a later generation (``run_e2e(generations=)``):
@@ -2037,7 +2046,7 @@ def rep_plan(warmup: int, reps: int, generations: int = 1) -> list:
 
 #: the engine note of a run with several generations of processes
 GENERATION_NOTE = ("{generations} generations of worker processes: every worker was started "
-                   "again (loaded) {restarts} times during the run, the repetitions in "
+                   "again {restarts} during the run, the repetitions in "
                    "consecutive blocks, one per generation, after a warm-up of its own; a "
                    "process's offset is a new draw in each generation, and the CI resamples "
                    "the generations, so such offsets average over processes x generations")
