@@ -59,10 +59,9 @@ def components(samples: list, key: str = "time_s") -> dict:
     repetitions) is read block by block, each an ANOVA of its own processes, and the blocks'
     sums of squares pooled (P and R: their totals)."""
     by = collections.defaultdict(lambda: collections.defaultdict(dict))
-    for s in samples:
+    for s in samples_by_process(samples):      # each process an arm: vanilla, vanilla.p2, ...
         if s.get(key):
-            (p,) = samples_by_process([s])     # each process an arm: vanilla, vanilla.p2, ...
-            by[s["scenario"]][s.get("generation", 0)][(p["arm"], s["rep"])] = s[key]
+            by[s["scenario"]][s.get("generation", 0)][(s["arm"], s["rep"])] = s[key]
     out = {}
     for sc, gens in by.items():
         ss_p = ss_r = df_p = df_r = 0.0

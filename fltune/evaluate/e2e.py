@@ -210,19 +210,19 @@ def hierarchical_ci(base: dict, arm: dict, *, resamples: int = 2000,
     gens: dict = {}
     for r in reps:
         gens.setdefault(_rep_generation(base[r], arm[r]), []).append(r)
-    levels = [(g, rs, sorted({j for r in rs for j in base[r]}),
-               sorted({j for r in rs for j in arm[r]})) for g, rs in sorted(gens.items())]
-    if len(levels) <= 1 and all(len(bp) <= 1 and len(ap) <= 1 for _, _, bp, ap in levels):
+    levels = [(rs, sorted({j for r in rs for j in base[r]}),
+               sorted({j for r in rs for j in arm[r]})) for _, rs in sorted(gens.items())]
+    if len(levels) <= 1 and all(len(bp) <= 1 and len(ap) <= 1 for _, bp, ap in levels):
         return (*bootstrap_ci(ratios, resamples=resamples, confidence=confidence,
                               seed=seed), ratios)
     med = statistics.median(ratios)
     rng = random.Random(seed)
     meds = []
+    inner = len(levels) < CLUSTER_GENERATIONS     # processes drawn inside too
     for _ in range(resamples):
         xs = []
         drawn = rng.choices(levels, k=len(levels)) if len(levels) > 1 else levels
-        inner = len(levels) < CLUSTER_GENERATIONS     # processes drawn inside too
-        for _, rs, bp, ap in drawn:
+        for rs, bp, ap in drawn:
             bsel = rng.choices(bp, k=len(bp)) if inner and len(bp) > 1 else bp
             asel = rng.choices(ap, k=len(ap)) if inner and len(ap) > 1 else ap
             xs += paired_ratios(base, arm, bsel, asel, rng.choices(rs, k=len(rs)))
@@ -936,12 +936,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     if n_generations is None:
         env_gens = os.environ.get("FLTUNE_E2E_GENERATIONS") or "1"
         try:
-            # (from the environment, which also reaches the adjudications' shorter runs:
-            # at most one generation per repetition)
-            n_generations = min(int(env_gens), reps) if int(env_gens) >= 1 else 0
+            n_generations = int(env_gens)
         except ValueError:
             raise ValueError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
                              f"process generations (1 or more)") from None
+        # (the environment also reaches the adjudications' shorter runs: at most one
+        # generation per repetition there)
+        n_generations = min(n_generations, reps)
     if not 1 <= n_generations <= reps:
         raise ValueError(f"generations must be between 1 and reps ({reps}): each "
                          f"generation measures at least one repetition; got {n_generations}")
@@ -1368,9 +1369,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                 return False
             t_gen = time.monotonic()
             live = [a for a in arms if a.name in procs]
-            old_pids = {a.name: procs[a.name].p.pid for a in live}
-            with ThreadPoolExecutor(max(1, len(live))) as ex:   # engines' shutdowns overlap
-                list(ex.map(lambda a: procs.pop(a.name).stop(), live))
+            old = [procs.pop(a.name) for a in live]
+            old_pids = {a.name: p.p.pid for a, p in zip(live, old)}
+            with ThreadPoolExecutor(max(1, len(old))) as ex:    # engines' shutdowns overlap
+                list(ex.map(lambda p: p.stop(), old))
             for a in live:
                 info = arms_info[a.name]
                 os.replace(info["log"], os.path.join(work, f"worker-{a.name}.g{gen - 1}.log"))
