@@ -1171,6 +1171,15 @@ def test_cli_says_start_state_belongs_to_the_e2e_bench():
     assert r.returncode != 0 and "--start-state belongs to `fltune bench --e2e`" in r.stderr
 
 
+def test_cli_refuses_more_generations_than_repetitions():
+    r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--e2e", "--model",
+                        str(FIXTURE), "--arm", "vanilla=vanilla", "--reps", "2",
+                        "--generations", "3", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--generations 3 is more than --reps 2" in r.stderr
+
+
 def test_cli_refuses_a_bad_arm_spec():
     r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--e2e", "--model",
                         str(FIXTURE), "--arm", "x=nonsense"], capture_output=True, text=True,

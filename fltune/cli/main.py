@@ -483,6 +483,10 @@ def cmd_bench_e2e(a) -> int:
     # an arm db:/manifest: stands for `fltune serve`: it gets the engine-wide picks serve adds
     arms, served_notes = _served_picks(a.model, arms, engine)
     reps = a.reps or 10
+    if a.generations and a.generations > reps:
+        raise UsageError(f"--generations {a.generations} is more than --reps {reps}: each "
+                         f"generation measures at least one repetition; raise --reps or "
+                         f"lower --generations")
     warmup = 2 if a.warmup is None else a.warmup
     con = _console(a.quiet or a.json)
 
