@@ -113,7 +113,9 @@ P=${PROFILE:-$(case "${PHASE:-}" in lin*|pinaa|gdn*|fibuild) echo Qwen3.5-0.8B;;
 M=/tmp/s7/manifest.json
 t0=$(date +%s)
 el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
-[ -f $M ] || python3 -m fltune freeze --db db/NVIDIA-H200_driver-580.159.04.db --out $M
+# the ir*/sglang phases' manifest, frozen from DBSRC where given (on an H100 the shipped H200
+# DB holds nothing for the card: until session 44 every phase opened with freeze's error)
+[ -f $M ] || python3 -m fltune freeze --db "${DBSRC:-db/NVIDIA-H200_driver-580.159.04.db}" --out $M
 # TAG=NAME keeps two calls of one phase and model apart (their own folder and archive)
 W=/tmp/s7/${PHASE:-irchk}-$P${PINNING:+-$PINNING}${TAG:+-$TAG}; mkdir -p "$W"
 # (the cache sizes say whether carrying warm caches to a later machine would pay)
