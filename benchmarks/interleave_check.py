@@ -41,7 +41,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from fltune.evaluate.e2e import (Scenario, bootstrap_ci,  # noqa: E402
+from fltune.evaluate.e2e import (Scenario, baseline_process, bootstrap_ci,  # noqa: E402
                                  compute_points, fast_level_estimate, run_estimates,
                                  samples_by_process, step_estimate)
 from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
@@ -76,7 +76,7 @@ def ci(ratios: list) -> dict | None:
 def analyse(raw: dict) -> list:
     base = raw.get("baseline", "vanilla")
     out = []
-    # every process read against the baseline's first one
+    # every process read against the baseline's first one of its generation
     samples = samples_by_process(raw["samples"])
     for sd in raw["scenarios"]:
         sc = Scenario(**sd)
@@ -96,12 +96,13 @@ def analyse(raw: dict) -> list:
         pairs = [(x[2], y[2], y[0] - x[0]) for x, y in zip(slow, slow[1:]) if x[1] != y[1]]
         by = {(s["arm"], s["rep"]): s for s in smp}
         for arm in arms:
-            if arm == base:
+            mine = baseline_process(arm, base)
+            if arm == mine:
                 continue
-            reps = sorted(r for a, r in by if a == arm and (base, r) in by)
+            reps = sorted(r for a, r in by if a == arm and (mine, r) in by)
             med_r, fast_r, level_r, round_r = [], [], [], []
             for r in reps:
-                b, x = by[(base, r)], by[(arm, r)]
+                b, x = by[(mine, r)], by[(arm, r)]
                 med_r.append(step_estimate(sc, b) / step_estimate(sc, x))
                 eb, ex = run_estimates(sc, b), run_estimates(sc, x)
                 if eb and ex:
@@ -112,7 +113,7 @@ def analyse(raw: dict) -> list:
                 per_round = [p / q for p, q in zip(eb, ex) if q]
                 if per_round:
                     round_r.append(statistics.median(per_round))
-            out.append({"scenario": sc.name, "arm": arm, "baseline": base,
+            out.append({"scenario": sc.name, "arm": arm, "baseline": mine,
                         "median_run": ci(med_r), "fastest_run": ci(fast_r),
                         "fast_level": ci(level_r),
                         "round_pairs": ci(round_r),
@@ -135,13 +136,19 @@ def process_spread(raw: dict, rows: list) -> list:
     base = raw.get("baseline", "vanilla")
     env = {n: a.get("env") for n, a in (raw.get("arms") or {}).items()}
     replicas = [n for n in env if n != base and env[n] == env.get(base)]
+
+    def a_replica(process):       # a later generation's processes too (aa.p2@g1, vanilla@g1)
+        name = process.partition("@g")[0]
+        return name in replicas or (name == base and process != base)
     out = []
     for sc in dict.fromkeys(r["scenario"] for r in rows):
         meds = {r["arm"]: r["fast_level"]["median"] for r in rows
-                if r["scenario"] == sc and r["arm"] in replicas and r.get("fast_level")}
+                if r["scenario"] == sc and a_replica(r["arm"]) and r.get("fast_level")}
         if not meds:
             continue
-        xs = [1.0] + list(meds.values())          # the baseline's own process reads 1
+        # the baseline's own process reads 1, once per generation (each its own baseline)
+        gens = {r["arm"].partition("@g")[2] for r in rows if r["scenario"] == sc}
+        xs = [1.0] * len(gens) + list(meds.values())
         out.append({"scenario": sc, "replicas": meds,
                     "range_pct": round(100 * (max(xs) - min(xs)), 2),
                     "sd_pct": round(100 * statistics.stdev(xs), 2) if len(xs) > 2 else None})

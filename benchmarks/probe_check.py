@@ -30,7 +30,8 @@ import json
 import statistics
 import sys
 
-from fltune.evaluate.e2e import Scenario, bootstrap_ci, samples_by_process, step_estimate
+from fltune.evaluate.e2e import (Scenario, baseline_process, bootstrap_ci,
+                                 samples_by_process, step_estimate)
 from fltune.evaluate.results_file import ResultsFileError, read_json
 from fltune.integrations.vllm.e2e_worker import SpeedFloor
 
@@ -104,13 +105,14 @@ def main(argv=None):
         row = {"spearman": spearman(slowness, probe), "reps": len(reps),
                "reps_dropped": len(bad_reps), "arms": {}}
         for arm in med:
-            if arm == base:
+            mine = baseline_process(arm, base)     # the baseline beside it, its generation's
+            if arm == mine:
                 continue
             for label, keep, tt in (("all", reps, t),
                                     ("probe_ok", [r for r in reps if r not in bad_reps], t),
                                     ("gated", reps, gated)):
-                ratios = [tt[(base, r)] / tt[(arm, r)] for r in keep
-                          if (base, r) in tt and (arm, r) in tt]
+                ratios = [tt[(mine, r)] / tt[(arm, r)] for r in keep
+                          if (mine, r) in tt and (arm, r) in tt]
                 m, lo, hi = bootstrap_ci(ratios) if ratios else (None, None, None)
                 row["arms"].setdefault(arm, {})[label] = {"n": len(ratios), "median": m,
                                                           "ci": [lo, hi]}

@@ -384,6 +384,17 @@ def test_a_process_that_died_mid_run_leaves_the_whole_run():
     assert (p["procs_arm"], p["procs_vanilla"], p["n"]) == (1, 2, 3)
 
 
+def test_each_process_has_its_generations_baseline_beside_it():
+    assert e2e.baseline_process("aa.p3", "vanilla") == "vanilla"
+    assert e2e.baseline_process("aa.p3@g2", "vanilla") == "vanilla@g2"
+    assert e2e.baseline_process("vanilla@g1", "vanilla") == "vanilla@g1"
+    # the names samples_by_process gives a generation run's samples
+    named = e2e.samples_by_process([{"arm": "aa", "replica": 3, "generation": 2},
+                                    {"arm": "vanilla", "replica": 1, "generation": 2}])
+    assert [e2e.baseline_process(s["arm"], "vanilla") for s in named] == ["vanilla@g2"] * 2
+    assert named[1]["arm"] == "vanilla@g2"
+
+
 def test_the_repetitions_fall_in_generation_blocks_each_led_by_its_own_warm_up():
     """``rep_plan``: the run's warm-ups, then the measured repetitions in G consecutive
     blocks as even as they go, each later block led by one warm-up (new processes); one
@@ -1178,6 +1189,37 @@ def test_cli_refuses_more_generations_than_repetitions():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--generations 3 is more than --reps 2" in r.stderr
+
+
+def test_settings_that_cannot_work_are_refused_before_any_engine_with_their_name(
+        monkeypatch, tmp_path):
+    """Every refusal of run_e2e's settings is a RunConfigError (a ValueError) naming the
+    variable or argument, raised before a worker starts (no log is written); a number
+    that does not parse is named too, not Python's bare 'could not convert'."""
+    cases = [("FLTUNE_E2E_PROBE_GATE", "fast", "FLTUNE_E2E_PROBE_GATE='fast'"),
+             ("FLTUNE_E2E_TIME_LIMIT", "10min", "FLTUNE_E2E_TIME_LIMIT='10min'"),
+             ("FLTUNE_E2E_PINNING", "cores", "FLTUNE_E2E_PINNING"),
+             ("FLTUNE_E2E_START_STATE", "warm", "FLTUNE_E2E_START_STATE='warm'"),
+             ("FLTUNE_E2E_PARALLEL_START", "yes", "FLTUNE_E2E_PARALLEL_START='yes'")]
+    for var, value, said in cases:
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            out = tmp_path / var
+            with pytest.raises(e2e.RunConfigError, match=said):
+                e2e.run_e2e(str(FIXTURE), [Arm("vanilla", {})], [], reps=2,
+                            device_type="cpu", out_dir=str(out))
+            assert not out.exists() or not list(out.glob("worker-*.log"))
+    assert issubclass(e2e.RunConfigError, ValueError)
+
+
+def test_cli_shows_a_bad_e2e_variable_as_a_usage_error_not_a_traceback():
+    env = dict(os.environ, FLTUNE_E2E_PROBE_GATE="fast")
+    r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--e2e", "--model",
+                        str(FIXTURE), "--arm", "vanilla=vanilla", "--reps", "2",
+                        "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "fltune: error: bench --e2e: FLTUNE_E2E_PROBE_GATE='fast'" in r.stderr
 
 
 def test_cli_refuses_a_bad_arm_spec():

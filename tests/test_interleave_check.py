@@ -77,3 +77,37 @@ def test_the_hierarchical_ci_holds_1_where_a_process_offset_fools_the_repetition
     flat = procs_coverage.run(k=3, reps=12, sigma_p=0.0, sigma_e=0.01, sims=60,
                               resamples=300)
     assert all(v["coverage"] >= 0.85 for v in flat.values())
+
+
+def test_a_later_generations_processes_are_read_against_their_own_generations_baseline(
+        tmp_path):
+    """``--generations 2``: the second half of the repetitions ran in new processes, named
+    ``ARM.pN@g1`` by ``samples_by_process``; each is read against ``vanilla@g1``, the
+    baseline process beside it (until session 44 against the first generation's
+    ``vanilla``, with which it shared no repetition: every figure came out empty)."""
+    levels = {0: {"vanilla": [1.0, 1.02], "aa": [0.99, 1.01]},
+              1: {"vanilla": [1.05, 1.0], "aa": [1.05, 0.97]}}
+    doc0 = _raw(levels[0], reps=6)
+    doc1 = _raw(levels[1], reps=6)
+    for s in doc0["samples"]:
+        s["generation"] = 0
+    for s in doc1["samples"]:       # repetitions 6-11, later on the clock
+        s.update(generation=1, rep=s["rep"] + 6)
+        for h in s["host"]:
+            h["t_mono"] += 100.0
+    raw = {**doc0, "samples": doc0["samples"] + doc1["samples"]}
+    path, out = tmp_path / "e2e-raw.json", tmp_path / "check.json"
+    path.write_text(json.dumps(raw))
+    r = subprocess.run([sys.executable, str(SCRIPT), str(path), "--json", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    rows = {p["arm"]: p for p in doc["points"]}
+    assert set(rows) == {"vanilla.p2", "aa", "aa.p2", "vanilla.p2@g1", "aa@g1", "aa.p2@g1"}
+    assert rows["aa@g1"]["baseline"] == "vanilla@g1" and rows["aa"]["baseline"] == "vanilla"
+    # aa's first process of generation 1 sits at vanilla@g1's level: 1.00, not 1.05 / 1.0
+    assert abs(rows["aa@g1"]["fast_level"]["median"] - 1.0) < 0.003
+    assert abs(rows["aa.p2@g1"]["fast_level"]["median"] - 1.05 / 0.97) < 0.005
+    assert all(rows[a]["fast_level"] for a in rows)
+    [sp] = doc["process_spread"]
+    assert {"aa@g1", "vanilla.p2@g1", "aa.p2@g1"} <= set(sp["replicas"])

@@ -513,6 +513,12 @@ def cmd_bench_e2e(a) -> int:
                       "measured, then the kernel profile")
 
     def run():
+        try:
+            return _run_e2e()
+        except e2e.RunConfigError as e:     # before any engine started: a usage error
+            raise UsageError(f"bench --e2e: {e}") from None
+
+    def _run_e2e():
         return e2e.run_e2e(a.model, arms, scenarios, reps=reps, warmup=warmup,
                            baseline=a.baseline, engine=engine, kernel_profile=a.kernel_profile,
                            out_dir=a.out, progress=progress, device_type=dev,

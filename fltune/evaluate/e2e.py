@@ -149,6 +149,23 @@ def _percentile_interval(med: float, meds: list, confidence: float) -> tuple:
     return med, min(pct(alpha), med), max(pct(1.0 - alpha), med)
 
 
+class RunConfigError(ValueError):
+    """A ``run_e2e`` argument or ``FLTUNE_E2E_*`` variable that cannot work, found before
+    any engine starts. Why a class of its own: a front end (``fltune bench --e2e``) shows
+    it as a usage error, one line naming the setting and its valid values, while a
+    ``ValueError`` from the measurement itself (a worker that timed nothing) stays a
+    failure of the run, not of the command line."""
+
+
+def _env_number(name: str, what: str) -> float:
+    """``float`` of environment variable ``name``, or :class:`RunConfigError` naming it."""
+    text = os.environ.get(name, "")
+    try:
+        return float(text)
+    except ValueError:
+        raise RunConfigError(f"{name}={text!r}: expected {what}") from None
+
+
 def _geomean(xs: list) -> float:
     if len(xs) == 1:        # exactly the one time (one process per arm: as before procs)
         return float(xs[0])
@@ -919,18 +936,18 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     its points are left out."""
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
-        raise ValueError(f"arm names must be unique: {names}")
+        raise RunConfigError(f"arm names must be unique: {names}")
     if baseline not in names:
-        raise ValueError(f"the baseline arm {baseline!r} is not among the arms {names}")
+        raise RunConfigError(f"the baseline arm {baseline!r} is not among the arms {names}")
     if reps < 1:
-        raise ValueError("reps must be >= 1")
+        raise RunConfigError("reps must be >= 1")
     n_procs = procs     # ``procs`` below is the workers by name
     if n_procs is None:
         env_procs = os.environ.get("FLTUNE_E2E_PROCS") or "1"
         try:
             n_procs = int(env_procs)
         except ValueError:
-            raise ValueError(f"FLTUNE_E2E_PROCS={env_procs!r}: a whole number of worker "
+            raise RunConfigError(f"FLTUNE_E2E_PROCS={env_procs!r}: a whole number of worker "
                              f"processes per arm (1 or more)") from None
     n_generations = generations
     if n_generations is None:
@@ -938,13 +955,13 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         try:
             n_generations = int(env_gens)
         except ValueError:
-            raise ValueError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
+            raise RunConfigError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
                              f"process generations (1 or more)") from None
         # (the environment also reaches the adjudications' shorter runs: at most one
         # generation per repetition there)
         n_generations = min(n_generations, reps)
     if not 1 <= n_generations <= reps:
-        raise ValueError(f"generations must be between 1 and reps ({reps}): each "
+        raise RunConfigError(f"generations must be between 1 and reps ({reps}): each "
                          f"generation measures at least one repetition; got {n_generations}")
     # from here on every "arm" is one worker process: an arm's first keeps its name
     arm_names, arms = names, replica_arms(arms, n_procs)
@@ -952,50 +969,53 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                                                             replica_index(names, n_procs))}
     pinning = pinning or os.environ.get("FLTUNE_E2E_PINNING") or "shared"
     if pinning not in PINNING_MODES:
-        raise ValueError(f"pinning must be one of {PINNING_MODES}, got {pinning!r}")
+        raise RunConfigError(f"pinning must be one of {PINNING_MODES} (--pinning or "
+                            f"FLTUNE_E2E_PINNING), got {pinning!r}")
     if device_type is None:
         import torch
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if engine_process not in ENGINE_PROCESSES:
-        raise ValueError(f"engine_process must be one of {sorted(ENGINE_PROCESSES)}, "
+        raise RunConfigError(f"engine_process must be one of {sorted(ENGINE_PROCESSES)}, "
                          f"got {engine_process!r}")
     if kernel_profile is None:
         kernel_profile = device_type == "cuda" and engine_process == "in-process"
     elif kernel_profile and engine_process != "in-process":
-        raise ValueError("the kernel profile needs engine_process='in-process': with the "
+        raise RunConfigError("the kernel profile needs engine_process='in-process': with the "
                          "multiprocess engine the kernels run in the engine core's process, "
                          "out of the worker's torch.profiler")
     t_begin = time.monotonic()
     if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
-        time_limit_s = float(os.environ["FLTUNE_E2E_TIME_LIMIT"]) or None   # 0: none
+        time_limit_s = _env_number("FLTUNE_E2E_TIME_LIMIT", "seconds (0: no limit)") or None
     if time_limit_s is not None and time_limit_s <= 0:
-        raise ValueError(f"time_limit_s must be positive, got {time_limit_s}")
+        raise RunConfigError(f"time_limit_s must be positive, got {time_limit_s}")
     deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
     if inner < 1:
-        raise ValueError(f"inner must be >= 1, got {inner}")
+        raise RunConfigError(f"inner must be >= 1, got {inner}")
     if prefill_inner is None:
         prefill_inner = PREFILL_INNER_FACTOR * inner
     if prefill_inner < 1:
-        raise ValueError(f"prefill_inner must be >= 1, got {prefill_inner}")
+        raise RunConfigError(f"prefill_inner must be >= 1, got {prefill_inner}")
     interleave = interleave or os.environ.get("FLTUNE_E2E_INTERLEAVE") or "runs"
     if interleave not in INTERLEAVES:
-        raise ValueError(f"interleave must be one of {INTERLEAVES}, got {interleave!r}")
+        raise RunConfigError(f"interleave must be one of {INTERLEAVES} (--interleave or "
+                            f"FLTUNE_E2E_INTERLEAVE), got {interleave!r}")
     if parallel_start is None:
         parallel_start = parallel_start_default(device_type)
     if start_state is None:
         start_state = start_state_default(device_type)
     if start_state not in START_STATES:
-        raise ValueError(f"start_state must be one of {START_STATES}, got {start_state!r}")
+        raise RunConfigError(f"start_state must be one of {START_STATES}, got {start_state!r}")
     if host_profile is None:
         host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
         env_gate = os.environ.get("FLTUNE_E2E_PROBE_GATE")
-        probe_gate = (float(env_gate) if env_gate else
+        probe_gate = (_env_number("FLTUNE_E2E_PROBE_GATE", "a factor above 1, or 0 (off)")
+                      if env_gate else
                       DEFAULT_PROBE_GATE if device_type == "cuda" else 0.0)
     if probe_gate and probe_gate <= 1.0:
-        raise ValueError(f"probe_gate must be 0 (off) or above 1, got {probe_gate}")
+        raise RunConfigError(f"probe_gate must be 0 (off) or above 1, got {probe_gate}")
     probe_gate = probe_gate or None
     progress = progress or (lambda event, **kw: None)
     work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
@@ -1598,7 +1618,8 @@ def start_state_default(device_type: str) -> str:
     env = os.environ.get("FLTUNE_E2E_START_STATE", "").strip()
     if env:
         if env not in START_STATES:
-            raise ValueError(f"FLTUNE_E2E_START_STATE={env!r}: expected one of {START_STATES}")
+            raise RunConfigError(f"FLTUNE_E2E_START_STATE={env!r}: expected one of "
+                                 f"{START_STATES}")
         return env
     return "loaded" if device_type == "cuda" else "as-started"
 
@@ -1668,7 +1689,7 @@ def parallel_start_default(device_type: str) -> bool:
     if env in ("1", "0"):
         return env == "1"
     if env:
-        raise ValueError(f"FLTUNE_E2E_PARALLEL_START={env!r}: use 1 (start the arms' "
+        raise RunConfigError(f"FLTUNE_E2E_PARALLEL_START={env!r}: use 1 (start the arms' "
                          "engines at once) or 0 (one after another)")
     return device_type == "cuda"
 
@@ -2025,6 +2046,16 @@ def samples_by_process(samples: list) -> list:
              + (f"@g{s['generation']}" if s.get("generation") else "")} for s in samples]
 
 
+def baseline_process(process: str, baseline: str) -> str:
+    """The baseline's first process in the generation of ``process`` (a name
+    :func:`samples_by_process` gave): ``vanilla`` for ``aa.p3``, ``vanilla@g2`` for
+    ``aa.p3@g2``. Why: a per-process reading compares each process with the baseline
+    process that ran beside it; a later generation's processes never shared a repetition
+    with the first generation's ``vanilla``, so read against it they had no pairs."""
+    _, at, generation = process.partition("@g")
+    return baseline + (f"@g{generation}" if at else "")
+
+
 #: warm-up repetitions after each restart of a later generation (``run_e2e(generations=)``):
 #: a new process's first calls at a scenario's shapes carry first-call work (allocator
 #: growth, a kernel's first launch), which its measured repetitions must not
@@ -2065,13 +2096,13 @@ def replica_arms(arms: list, procs: int) -> list:
     repetition is rotated anyway, and :func:`start_waves` starts an arm's later processes
     with the second wave (they run what the first compiled)."""
     if procs < 1:
-        raise ValueError(f"procs must be >= 1, got {procs}")
+        raise RunConfigError(f"procs must be >= 1, got {procs}")
     out = [replace(a, name=replica_name(a.name, j)) for j in range(1, procs + 1) for a in arms]
     names = [a.name for a in out]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
-        raise ValueError(f"with procs={procs} the arm names {', '.join(clash)} collide with "
-                         f"the names of later processes (ARM.pN): rename those arms")
+        raise RunConfigError(f"with procs={procs} the arm names {', '.join(clash)} collide "
+                             f"with the names of later processes (ARM.pN): rename those arms")
     return out
 
 
