@@ -35,6 +35,13 @@ own, as ``process_variance.py`` reads it):
    explains 46 % of the spread and the vCPU a process ran on adds nothing beside it
    (F 0.17, p 0.98; the process beside the vCPU: F 6.7, p 0.0001), so pinning cannot
    remove sigma_p there, and a new process is a new draw.
+5. what the planned run costs on the run's own clock (:func:`run_costs`,
+   :func:`call_seconds`): the engines' first start, one restart of every worker per later
+   generation, and each repetition's time per engine, against one device call
+   (``--call-s``). Why: session 43 planned six generations (15 repetitions in all)
+   assuming ~30 s a restart; on the H100 of session 44 a restart of eight engines took
+   40-49 s and the first start ~150 s, so that plan takes ~470 s of a call's 510, and a
+   call asked for 18 repetitions under a 440-s limit ran four generations.
 
 The simulation is the CPU's (figures are predictions; the GPU run that follows the design
 is the measurement).
@@ -122,13 +129,84 @@ def observed(raw: dict, scenario: str, key: str, same: set) -> dict | None:
     return None
 
 
+#: the seconds of one device call a planned run may take: h200_s7.sh's default TIMEOUT of
+#: 540 s less the 30 s it keeps for the kernel profile and packing (``lim``)
+CALL_S = 510
+
+
+def run_costs(raw: dict, scenario: str | None = None) -> dict | None:
+    """What the run's own clock says a run costs, from its timed runs' ``t_mono`` (the
+    workers' ``time.monotonic``, one clock for the host): ``rep_engine_s``, a repetition's
+    span (first to last timed run; of ``scenario``'s runs alone where given: a repetition
+    runs its scenarios one after another) per engine that ran in it, median over the
+    repetitions; ``restart_s``, one restart of every worker (``host.generations``, a
+    run with generations), else a loaded engine's start (the arms' ``start_s``);
+    ``start_s``, from the run's beginning to its first timed run where the run recorded
+    its clock (``host.clock``, session 44 on), else the first wave's start (a compiled
+    arm's ``first_start``) plus two loaded starts (the second wave, and the compiled arms'
+    restart to a loaded engine): session 44's five-generation run read 88 + 2 x 41.7 s
+    there, where its call spent ~150 s before the first timed run. None without
+    ``t_mono``."""
+    by_rep: dict = {}
+    engines: dict = {}
+    for s in raw.get("samples") or []:
+        if scenario and s.get("scenario") != scenario:
+            continue
+        ts = [h["t_mono"] for h in s.get("host") or [] if h.get("t_mono") is not None]
+        if ts:
+            by_rep.setdefault(s["rep"], []).extend(ts)
+            engines.setdefault(s["rep"], set()).add((s["arm"], s.get("replica", 1)))
+    per_engine = sorted((max(v) - min(v)) / len(engines[r]) for r, v in by_rep.items()
+                        if len(v) > 1)
+    if not per_engine:
+        return None
+    host = raw.get("host") or {}
+    arms = raw.get("arms") or {}
+    starts = sorted(a["start_s"] for a in arms.values() if a.get("start_s"))
+    loaded = starts[len(starts) // 2] if starts else None
+    restarts = sorted(r["s"] for r in (host.get("generations") or {}).get("restarts") or []
+                      if r.get("s"))
+    restart = restarts[len(restarts) // 2] if restarts else loaded
+    clock = host.get("clock") or {}
+    first = min(t for v in by_rep.values() for t in v)
+    if clock.get("began_mono") is not None:
+        start = first - clock["began_mono"]
+    else:
+        firsts = [(a.get("first_start") or {}).get("start_s") or 0.0 for a in arms.values()]
+        start = max(firsts + starts + [0.0]) + 2 * (loaded or 0.0)
+    return {"rep_engine_s": round(per_engine[len(per_engine) // 2], 3),
+            "restart_s": restart and round(restart, 1), "start_s": round(start, 1)}
+
+
+def call_seconds(costs: dict, *, procs: int, arms: int, reps: int, generations: int = 1,
+                 warmup: int = 2) -> float:
+    """A planned run's seconds on ``costs`` (:func:`run_costs`): the start, a restart per
+    later generation, and every repetition (``warmup`` first, one more per later
+    generation, as ``e2e.rep_plan`` lays them out) at its time per engine times the
+    planned engines (``arms`` x ``procs``). The kernel profile after it is left out (a
+    fraction of a second a round on the H100)."""
+    later = generations - 1
+    n_reps = warmup + reps + later * min(warmup, 1)
+    return round(costs["start_s"] + later * (costs["restart_s"] or 0.0)
+                 + n_reps * costs["rep_engine_s"] * arms * procs, 1)
+
+
 def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | None = None,
            arms: int = 3, engine_gib: float = 9.4, card_gib: float = 80.0,
            max_procs: int = 12, sims: int = 120, resamples: int = 600,
-           generations: bool = True) -> list:
+           generations: bool = True, call_s: float = CALL_S) -> list:
     """One row per scenario (see the module doc); where the processes that fit the card
-    do not reach the target, ``with_generations`` (:func:`generations_design`)."""
+    do not reach the target, ``with_generations`` (:func:`generations_design`). Where the
+    run's clock says what it cost (:func:`run_costs`), each design found says what it
+    would take of one call of ``call_s`` (``call_s``, ``fits_call``: a run of that
+    scenario alone)."""
     rows = []
+    warmup = raw.get("warmup", 2)
+
+    def cost(plan: dict, costs: dict | None, **kw):
+        if costs:
+            plan["call_s"] = call_seconds(costs, arms=arms, warmup=warmup, **kw)
+            plan["fits_call"] = plan["call_s"] <= call_s
     fit_engines = int(card_gib // engine_gib)
     # what sigma_p would allow the target with the processes that fit: the hierarchical
     # CI's width is mostly 1.96 * sqrt(2 sigma_p^2 / K) once reps are many
@@ -137,6 +215,7 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
     same = vanilla_arms(raw)
     for sc, c in components([s for s in raw["samples"] if s["arm"] in same], key).items():
         sp, se = c["sigma_p_pct"] / 100, c["residual_sd_pct"] / 100
+        costs = run_costs(raw, sc)
         seen = observed(raw, sc, key, same)
         r_run = c["reps"]
         r_plan = reps or r_run
@@ -162,9 +241,14 @@ def design(raw: dict, *, key: str = "time_s", target: float = 1.0, reps: int | N
         row["fits_card"] = bool(need) and need * arms <= fit_engines
         row["procs_that_fit"] = k_fit
         row["sigma_p_for_target_pct"] = sigma_p_for_target
+        if need:
+            cost(row, costs, procs=need, reps=r_plan)
         if not row["fits_card"] and generations:
-            row["with_generations"] = generations_design(
+            gen = row["with_generations"] = generations_design(
                 k_fit, r_plan, sp, se, target, sims=sims, resamples=resamples)
+            if gen["generations_needed"]:
+                cost(gen, costs, procs=k_fit, reps=gen["reps"],
+                     generations=gen["generations_needed"])
         rows.append(row)
     return rows
 
@@ -177,10 +261,19 @@ def engine_gib_of(raw: dict) -> float | None:
     return round(max(seen) / 1024, 2) if seen else None
 
 
-def verdict(row: dict, target: float) -> str:
+def in_calls(plan: dict, call_s: float = CALL_S) -> str:
+    """`` (~N s: one call)`` or `` (~N s: more than one call of S s)`` where the design
+    has a cost (:func:`design`), else nothing."""
+    if plan.get("call_s") is None:
+        return ""
+    return (f" (~{plan['call_s']:.0f} s: " + ("fits one call" if plan["fits_call"] else
+                                             f"more than one {call_s:.0f}-s call") + ")")
+
+
+def verdict(row: dict, target: float, call_s: float = CALL_S) -> str:
     if row["procs_needed"] and row["fits_card"]:
         return (f"reachable: {row['procs_needed']} processes a side x {row['reps_plan']} reps "
-                f"({row['engines_needed']} engines, fit)")
+                f"({row['engines_needed']} engines, fit){in_calls(row, call_s)}")
     if row["procs_needed"]:
         text = (f"needs {row['procs_needed']} processes a side ({row['engines_needed']} "
                 f"engines): more than the card holds ({row['procs_that_fit']} a side fit; "
@@ -193,7 +286,7 @@ def verdict(row: dict, target: float) -> str:
     if gen and gen["generations_needed"]:
         text += (f"; or fresh processes: {gen['procs']} a side in "
                  f"{gen['generations_needed']} generations x {gen['reps']} reps "
-                 f"(--generations {gen['generations_needed']})")
+                 f"(--generations {gen['generations_needed']}){in_calls(gen, call_s)}")
     elif gen:
         text += (f"; fresh processes ({gen['procs']} a side) not within "
                  f"{max(gen['by_generations'])} generations")
@@ -217,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sims", type=int, default=120)
     ap.add_argument("--no-generations", action="store_true",
                     help="skip the generations design where the processes that fit fall short")
+    ap.add_argument("--call-s", type=float, default=CALL_S,
+                    help=f"seconds of one device call a planned run may take ({CALL_S})")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     try:
@@ -227,7 +322,12 @@ def main(argv=None) -> int:
     engine_gib = a.engine_gib or engine_gib_of(raw) or 9.4
     rows = design(raw, key=a.key, target=a.target, reps=a.reps, arms=a.arms,
                   engine_gib=engine_gib, card_gib=a.card_gib, max_procs=a.max_procs,
-                  sims=a.sims, generations=not a.no_generations)
+                  sims=a.sims, generations=not a.no_generations, call_s=a.call_s)
+    costs = run_costs(raw)
+    if costs:
+        print(f"the run's clock: start {costs['start_s']:.0f} s, a restart of every worker "
+              f"{costs['restart_s'] or 0:.0f} s; the designs' seconds are a run of their "
+              f"scenario alone, against a {a.call_s:.0f}-s call")
     if not rows:
         print(f"aa_design: {a.raw}: no scenario with 2+ processes and 2+ repetitions "
               f"(an A/A run with --procs, or with an A/A arm, is needed)", file=sys.stderr)
@@ -241,11 +341,12 @@ def main(argv=None) -> int:
                          for k, hw in r["by_procs"].items())
         print(f"{r['scenario']:<13} sigma_p {r['sigma_p_pct']:.2f} %  sigma_e "
               f"{r['sigma_e_pct']:.2f} %  | {check}\n{'':13} ±% by K at R={r['reps_plan']}: "
-              f"{curve}\n{'':13} {verdict(r, a.target)}")
+              f"{curve}\n{'':13} {verdict(r, a.target, a.call_s)}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"raw": a.raw, "key": a.key, "target_pct": a.target, "arms": a.arms,
                        "engine_gib": engine_gib, "card_gib": a.card_gib,
+                       "call_s": a.call_s, "run_costs": costs,
                        "command": "python3 benchmarks/aa_design.py "
                                   + " ".join(argv if argv is not None else sys.argv[1:]),
                        "rows": rows}, f, indent=1)

@@ -131,3 +131,54 @@ def test_where_the_processes_that_fit_fall_short_fresh_generations_are_planned()
     assert f"--generations {g}" in aad.verdict(row, 1.0)
     (quiet,) = aad.design(_raw(0.0005, 0.004), target=1.0, arms=2, **FAST)
     assert "with_generations" not in quiet                 # nothing to plan where K fits
+
+
+def _clocked(raw: dict, rep_s: float, *, began=None, restarts=(), first_start=None,
+             loaded=40.0) -> dict:
+    """``raw`` with each sample's runs on the clock: a repetition takes ``rep_s`` seconds
+    spread evenly over its samples (one run each), 100 s between repetitions."""
+    by_rep: dict = {}
+    for s in raw["samples"]:
+        by_rep.setdefault(s["rep"], []).append(s)
+    for r, ss in by_rep.items():
+        for i, s in enumerate(ss):
+            s["host"] = [{"t_mono": 1000.0 + 100.0 * r + rep_s * i / (len(ss) - 1)}]
+    raw["arms"] = {"vanilla": {"env": {}, "start_s": loaded,
+                               "first_start": {"start_s": first_start} if first_start else None},
+                   "aa": {"env": {}, "start_s": loaded}}
+    raw["host"] = {"generations": {"restarts": [{"s": x} for x in restarts]}}
+    if began is not None:
+        raw["host"]["clock"] = {"began_mono": began}
+    raw["warmup"] = 2
+    return raw
+
+
+def test_the_runs_own_clock_prices_a_planned_run():
+    """run_costs reads a repetition's time per engine, the restart and the start from the
+    run; call_seconds adds them up for a plan, as rep_plan lays the run out."""
+    # 8 engines (4 a side), a repetition 4 s: 0.5 s per engine; restarts 40, 44, 48 s
+    raw = _clocked(_raw(0.001, 0.004, procs=4, reps=6), 4.0, restarts=(40.0, 48.0, 44.0),
+                   first_start=90.0, loaded=40.0)
+    c = aad.run_costs(raw)
+    assert c["rep_engine_s"] == 0.5 and c["restart_s"] == 44.0
+    assert c["start_s"] == 90.0 + 2 * 40.0          # no clock: first wave + two loaded starts
+    # a run with its clock: the start is from its beginning to the first timed run
+    assert aad.run_costs(_clocked(_raw(0.001, 0.004, procs=4, reps=6), 4.0,
+                                  began=850.0))["start_s"] == 150.0
+    # 5 generations of 15 reps, 2 arms x 4: 170 + 4 x 44 + (2 + 15 + 4) x 0.5 x 8
+    assert aad.call_seconds(c, procs=4, arms=2, reps=15, generations=5) == 170 + 176 + 84
+    assert aad.run_costs({"samples": [{"rep": 0, "arm": "a", "host": [{}]}]}) is None
+
+
+def test_a_design_says_whether_it_fits_one_device_call():
+    raw = _clocked(_raw(0.01, 0.003, procs=4, reps=12, seed=2), 4.0,
+                   restarts=(44.0,), first_start=90.0)
+    (row,) = aad.design(raw, target=1.0, arms=3, max_procs=3, **FAST)
+    gen = row["with_generations"]
+    g = gen["generations_needed"]
+    assert gen["call_s"] == aad.call_seconds(aad.run_costs(raw, "prefill_2048"), procs=2,
+                                             arms=3, reps=gen["reps"], generations=g)
+    assert gen["fits_call"] == (gen["call_s"] <= aad.CALL_S)
+    (tight,) = aad.design(raw, target=1.0, arms=3, max_procs=3, call_s=100.0, **FAST)
+    assert tight["with_generations"]["fits_call"] is False
+    assert "more than one 100-s call" in aad.verdict(tight, 1.0, 100.0)

@@ -1355,6 +1355,14 @@ def test_generations_start_every_worker_again_between_blocks(tmp_path):
     raw = json.loads((tmp_path / "out" / "e2e-raw.json").read_text())
     assert raw["host"]["generations"]["asked"] == 2
     assert {s["generation"] for s in raw["samples"]} == {0, 1}
+    # the run's span on the workers' clock: the engines' start before the first timed run,
+    # the restart between the generations' runs (benchmarks/aa_design.py prices plans so)
+    clock = raw["host"]["clock"]
+    t = sorted(h["t_mono"] for s in raw["samples"] for h in s["host"])
+    assert clock["began_mono"] < t[0] <= t[-1] < clock["ended_mono"]
+    g0 = max(h["t_mono"] for s in raw["samples"] if s["generation"] == 0 for h in s["host"])
+    g1 = min(h["t_mono"] for s in raw["samples"] if s["generation"] == 1 for h in s["host"])
+    assert g1 - g0 >= restart["s"]
 
 
 def test_a_time_limit_starts_no_scenario_block_that_would_not_end_inside_it():

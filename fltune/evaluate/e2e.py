@@ -1545,6 +1545,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         notes = notes + [GENERATION_NOTE.format(generations=n + 1,
                                                 restarts="once" if n == 1 else f"{n} times")]
     host["speed"] = host_speed(samples)
+    # the run's span on the workers' clock (time.monotonic, one clock for every process
+    # of the host): with the runs' t_mono it says what starting the engines cost, what a
+    # planned run would (benchmarks/aa_design.py, run_costs)
+    host["clock"] = {"began_mono": round(t_begin, 6), "ended_mono": round(time.monotonic(), 6)}
     if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
         notes = notes + [slow_host_note(host["speed"])]
     points = compute_points(samples, scenarios, arm_names, baseline, kernels)
