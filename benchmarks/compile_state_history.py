@@ -66,9 +66,11 @@ def rows(root: str):
         vanillas = [n for n, a in arms.items() if n != base and not a.get("engine")
                     and not any(str(k).startswith("FLTUNE_") for k in (a.get("env") or {}))]
         by = defaultdict(dict)
-        # each worker process its own arm (``--procs``), as ``arms`` names them
+        # each worker process its own arm (``--procs``), as ``arms`` names them; a later
+        # generation's process (``aa.p2@g1``) under its plain name: a repetition runs in
+        # one generation, so it pairs with that generation's baseline process
         for s in samples_by_process(d.get("samples", [])):
-            by[(s["scenario"], s["rep"])][s["arm"]] = s["time_s"]
+            by[(s["scenario"], s["rep"])][s["arm"].partition("@g")[0]] = s["time_s"]
         where = os.path.dirname(f)
 
         def state(name):
