@@ -17,6 +17,7 @@ import os
 import sys
 
 from fltune.evaluate.e2e import join_summaries
+from fltune.evaluate.results_file import resolve
 
 
 def main(argv=None) -> int:
@@ -38,10 +39,10 @@ def main(argv=None) -> int:
         print(f"join_e2e: {e}", file=sys.stderr)
         return 2
     for run, path in zip(doc["runs"], a.summaries):
-        for name in ("e2e-raw.json", "e2e-raw.json.gz"):
-            raw = os.path.join(os.path.dirname(os.path.abspath(path)), name)
-            if os.path.isfile(raw):
-                run["raw"] = os.path.relpath(raw, os.path.dirname(os.path.abspath(a.out)))
+        # the raw data beside the summary, plain or as committed (gzipped): results_file's rule
+        raw = resolve(os.path.join(os.path.dirname(os.path.abspath(path)), "e2e-raw.json"))
+        if os.path.isfile(raw):
+            run["raw"] = os.path.relpath(raw, os.path.dirname(os.path.abspath(a.out)))
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")

@@ -1414,20 +1414,26 @@ def main():
                                             "run's model profile)")
     a = ap.parse_args()
     if a.analyse:
-        # committed results are gzipped (benchmarks/results/README.md): read and write back
-        # the file as given, gzipped or not
-        def opener(path, mode="rt"):
-            return (gzip.open if path.endswith(".gz") else open)(path, mode)
-        doc = json.load(opener(a.analyse))
-        if a.in_model_from:
-            doc["in_model"] = json.load(opener(a.in_model_from))["in_model"]
+        # committed results are gzipped (benchmarks/results/README.md): read as the other
+        # scripts do (results_file: plain or gzipped, a clear error naming a bad file), and
+        # write back the file as given, gzipped or not
+        from fltune.evaluate.results_file import ResultsFileError, read_json, resolve
+        target = resolve(a.analyse)         # written back where it was read
+        try:
+            doc = read_json(a.analyse, require=(), what="a native_in_model.py JSON")
+            if a.in_model_from:
+                doc["in_model"] = read_json(a.in_model_from, require=("in_model",),
+                                            what="a native_in_model.py JSON with its "
+                                                 "in-model part")["in_model"]
+        except ResultsFileError as e:
+            sys.exit(f"native_in_model: {e}")
             doc["in_model_from"] = a.in_model_from
         if a.code:
             doc["kernel_origins"] = code_origins(a.code)
         tabulate(doc)
         doc["in_context_ranking"] = in_context_ranking(doc)
         print_ranking(doc["in_context_ranking"])
-        with opener(a.analyse, "wt") as out:
+        with (gzip.open if target.endswith(".gz") else open)(target, "wt") as out:
             json.dump(doc, out, indent=1)
         return
     scenarios = [s for s in a.scenarios.split(",") if s]
