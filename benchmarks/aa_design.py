@@ -58,6 +58,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from fltune.evaluate.e2e import GENERATION_WARMUP  # noqa: E402
 from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
 from procs_coverage import run as simulate_design  # noqa: E402
 from process_variance import components  # noqa: E402
@@ -141,8 +142,8 @@ def run_costs(raw: dict, scenario: str | None = None) -> dict | None:
     runs its scenarios one after another) per engine that ran in it, median over the
     repetitions; ``restart_s``, one restart of every worker (``host.generations``, a
     run with generations), else a loaded engine's start (the arms' ``start_s``);
-    ``start_s``, from the run's beginning to its first timed run where the run recorded
-    its clock (``host.clock``, session 44 on), else the first wave's start (a compiled
+    ``start_s``, from the run's beginning to the moment every engine was up (before the
+    first warm-up) where the run recorded its clock (``host.clock``, session 44 on), else the first wave's start (a compiled
     arm's ``first_start``) plus two loaded starts (the second wave, and the compiled arms'
     restart to a loaded engine): session 44's five-generation run read 88 + 2 x 41.7 s
     there, where its call spent ~150 s before the first timed run. None without
@@ -168,9 +169,8 @@ def run_costs(raw: dict, scenario: str | None = None) -> dict | None:
                       if r.get("s"))
     restart = restarts[len(restarts) // 2] if restarts else loaded
     clock = host.get("clock") or {}
-    first = min(t for v in by_rep.values() for t in v)
-    if clock.get("began_mono") is not None:
-        start = first - clock["began_mono"]
+    if clock.get("began_mono") is not None and clock.get("ready_mono") is not None:
+        start = clock["ready_mono"] - clock["began_mono"]
     else:
         firsts = [(a.get("first_start") or {}).get("start_s") or 0.0 for a in arms.values()]
         start = max(firsts + starts + [0.0]) + 2 * (loaded or 0.0)
@@ -186,7 +186,7 @@ def call_seconds(costs: dict, *, procs: int, arms: int, reps: int, generations: 
     planned engines (``arms`` x ``procs``). The kernel profile after it is left out (a
     fraction of a second a round on the H100)."""
     later = generations - 1
-    n_reps = warmup + reps + later * min(warmup, 1)
+    n_reps = warmup + reps + later * min(warmup, GENERATION_WARMUP)
     return round(costs["start_s"] + later * (costs["restart_s"] or 0.0)
                  + n_reps * costs["rep_engine_s"] * arms * procs, 1)
 

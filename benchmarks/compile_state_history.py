@@ -22,7 +22,7 @@ import zlib
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fltune.evaluate.e2e import samples_by_process  # noqa: E402
+from fltune.evaluate.e2e import samples_by_process, split_generation  # noqa: E402
 from fltune.evaluate.results_file import ResultsFileError, read_json, resolve  # noqa: E402
 from fltune.integrations.vllm.e2e_worker import compile_start_state  # noqa: E402
 
@@ -70,7 +70,7 @@ def rows(root: str):
         # generation's process (``aa.p2@g1``) under its plain name: a repetition runs in
         # one generation, so it pairs with that generation's baseline process
         for s in samples_by_process(d.get("samples", [])):
-            by[(s["scenario"], s["rep"])][s["arm"].partition("@g")[0]] = s["time_s"]
+            by[(s["scenario"], s["rep"])][split_generation(s["arm"])[0]] = s["time_s"]
         where = os.path.dirname(f)
 
         def state(name):

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fltune.evaluate.e2e import (Scenario, baseline_process, bootstrap_ci,  # noqa: E402
                                  compute_points, fast_level_estimate, run_estimates,
-                                 samples_by_process, step_estimate)
+                                 samples_by_process, split_generation, step_estimate)
 from fltune.evaluate.results_file import ResultsFileError, read_json  # noqa: E402
 
 
@@ -137,9 +137,8 @@ def process_spread(raw: dict, rows: list) -> list:
     env = {n: a.get("env") for n, a in (raw.get("arms") or {}).items()}
     replicas = [n for n in env if n != base and env[n] == env.get(base)]
 
-    def a_replica(process):       # a later generation's processes too (aa.p2@g1, vanilla@g1)
-        name = process.partition("@g")[0]
-        return name in replicas or (name == base and process != base)
+    def a_replica(process):       # a later generation's processes too (aa.p2@g1)
+        return split_generation(process)[0] in replicas
     out = []
     for sc in dict.fromkeys(r["scenario"] for r in rows):
         meds = {r["arm"]: r["fast_level"]["median"] for r in rows
@@ -147,7 +146,7 @@ def process_spread(raw: dict, rows: list) -> list:
         if not meds:
             continue
         # the baseline's own process reads 1, once per generation (each its own baseline)
-        gens = {r["arm"].partition("@g")[2] for r in rows if r["scenario"] == sc}
+        gens = {split_generation(r["arm"])[1] for r in rows if r["scenario"] == sc}
         xs = [1.0] * len(gens) + list(meds.values())
         out.append({"scenario": sc, "replicas": meds,
                     "range_pct": round(100 * (max(xs) - min(xs)), 2),

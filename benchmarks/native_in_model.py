@@ -1425,9 +1425,9 @@ def main():
                 doc["in_model"] = read_json(a.in_model_from, require=("in_model",),
                                             what="a native_in_model.py JSON with its "
                                                  "in-model part")["in_model"]
+                doc["in_model_from"] = a.in_model_from
         except ResultsFileError as e:
             sys.exit(f"native_in_model: {e}")
-            doc["in_model_from"] = a.in_model_from
         if a.code:
             doc["kernel_origins"] = code_origins(a.code)
         tabulate(doc)

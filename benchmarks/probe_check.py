@@ -105,14 +105,14 @@ def main(argv=None):
         row = {"spearman": spearman(slowness, probe), "reps": len(reps),
                "reps_dropped": len(bad_reps), "arms": {}}
         for arm in med:
-            mine = baseline_process(arm, base)     # the baseline beside it, its generation's
-            if arm == mine:
+            beside = baseline_process(arm, base)   # the baseline beside it, its generation's
+            if arm == beside:
                 continue
             for label, keep, tt in (("all", reps, t),
                                     ("probe_ok", [r for r in reps if r not in bad_reps], t),
                                     ("gated", reps, gated)):
-                ratios = [tt[(mine, r)] / tt[(arm, r)] for r in keep
-                          if (mine, r) in tt and (arm, r) in tt]
+                ratios = [tt[(beside, r)] / tt[(arm, r)] for r in keep
+                          if (beside, r) in tt and (arm, r) in tt]
                 m, lo, hi = bootstrap_ci(ratios) if ratios else (None, None, None)
                 row["arms"].setdefault(arm, {})[label] = {"n": len(ratios), "median": m,
                                                           "ci": [lo, hi]}

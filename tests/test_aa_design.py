@@ -147,8 +147,8 @@ def _clocked(raw: dict, rep_s: float, *, began=None, restarts=(), first_start=No
                                "first_start": {"start_s": first_start} if first_start else None},
                    "aa": {"env": {}, "start_s": loaded}}
     raw["host"] = {"generations": {"restarts": [{"s": x} for x in restarts]}}
-    if began is not None:
-        raw["host"]["clock"] = {"began_mono": began}
+    if began is not None:       # ready 10 s before the first timed run (the warm-ups)
+        raw["host"]["clock"] = {"began_mono": began, "ready_mono": 990.0}
     raw["warmup"] = 2
     return raw
 
@@ -162,9 +162,10 @@ def test_the_runs_own_clock_prices_a_planned_run():
     c = aad.run_costs(raw)
     assert c["rep_engine_s"] == 0.5 and c["restart_s"] == 44.0
     assert c["start_s"] == 90.0 + 2 * 40.0          # no clock: first wave + two loaded starts
-    # a run with its clock: the start is from its beginning to the first timed run
+    # a run with its clock: the start is from its beginning to every engine up (before
+    # the warm-ups, which call_seconds counts as repetitions)
     assert aad.run_costs(_clocked(_raw(0.001, 0.004, procs=4, reps=6), 4.0,
-                                  began=850.0))["start_s"] == 150.0
+                                  began=850.0))["start_s"] == 140.0
     # 5 generations of 15 reps, 2 arms x 4: 170 + 4 x 44 + (2 + 15 + 4) x 0.5 x 8
     assert aad.call_seconds(c, procs=4, arms=2, reps=15, generations=5) == 170 + 176 + 84
     assert aad.run_costs({"samples": [{"rep": 0, "arm": "a", "host": [{}]}]}) is None

@@ -385,6 +385,10 @@ def test_a_process_that_died_mid_run_leaves_the_whole_run():
 
 
 def test_each_process_has_its_generations_baseline_beside_it():
+    assert e2e.split_generation("aa.p3@g12") == ("aa.p3", 12)
+    assert e2e.split_generation("x@gpu") == ("x@gpu", 0)          # an arm's own name
+    assert e2e.split_generation("x@gpu@g2") == ("x@gpu", 2)
+    assert e2e.baseline_process("x@gpu", "vanilla") == "vanilla"
     assert e2e.baseline_process("aa.p3", "vanilla") == "vanilla"
     assert e2e.baseline_process("aa.p3@g2", "vanilla") == "vanilla@g2"
     assert e2e.baseline_process("vanilla@g1", "vanilla") == "vanilla@g1"
@@ -1198,6 +1202,8 @@ def test_settings_that_cannot_work_are_refused_before_any_engine_with_their_name
     that does not parse is named too, not Python's bare 'could not convert'."""
     cases = [("FLTUNE_E2E_PROBE_GATE", "fast", "FLTUNE_E2E_PROBE_GATE='fast'"),
              ("FLTUNE_E2E_TIME_LIMIT", "10min", "FLTUNE_E2E_TIME_LIMIT='10min'"),
+             ("FLTUNE_E2E_TIME_LIMIT", "nan", "FLTUNE_E2E_TIME_LIMIT='nan'"),
+             ("FLTUNE_E2E_PROBE_GATE", "nan", "FLTUNE_E2E_PROBE_GATE='nan'"),
              ("FLTUNE_E2E_PINNING", "cores", "FLTUNE_E2E_PINNING"),
              ("FLTUNE_E2E_START_STATE", "warm", "FLTUNE_E2E_START_STATE='warm'"),
              ("FLTUNE_E2E_PARALLEL_START", "yes", "FLTUNE_E2E_PARALLEL_START='yes'")]
@@ -1359,7 +1365,7 @@ def test_generations_start_every_worker_again_between_blocks(tmp_path):
     # the restart between the generations' runs (benchmarks/aa_design.py prices plans so)
     clock = raw["host"]["clock"]
     t = sorted(h["t_mono"] for s in raw["samples"] for h in s["host"])
-    assert clock["began_mono"] < t[0] <= t[-1] < clock["ended_mono"]
+    assert clock["began_mono"] < clock["ready_mono"] < t[0] <= t[-1] < clock["ended_mono"]
     g0 = max(h["t_mono"] for s in raw["samples"] if s["generation"] == 0 for h in s["host"])
     g1 = min(h["t_mono"] for s in raw["samples"] if s["generation"] == 1 for h in s["host"])
     assert g1 - g0 >= restart["s"]

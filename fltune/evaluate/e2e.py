@@ -161,9 +161,12 @@ def _env_number(name: str, what: str) -> float:
     """``float`` of environment variable ``name``, or :class:`RunConfigError` naming it."""
     text = os.environ.get(name, "")
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise RunConfigError(f"{name}={text!r}: expected {what}") from None
+        value = math.nan
+    if not math.isfinite(value):        # 'nan' parses, and would pass every check after it
+        raise RunConfigError(f"{name}={text!r}: expected {what}")
+    return value
 
 
 def _geomean(xs: list) -> float:
@@ -984,6 +987,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                          "multiprocess engine the kernels run in the engine core's process, "
                          "out of the worker's torch.profiler")
     t_begin = time.monotonic()
+    t_ready = None      # every engine up (set where the repetitions begin)
     if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
         time_limit_s = _env_number("FLTUNE_E2E_TIME_LIMIT", "seconds (0: no limit)") or None
     if time_limit_s is not None and time_limit_s <= 0:
@@ -1413,6 +1417,7 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
 
         plan = rep_plan(warmup, reps, n_generations)
         generation = 0
+        t_ready = time.monotonic()      # every engine up, before the first warm-up
         for r, (m, gen) in enumerate(plan):
             measured = m is not None
             if gen != generation:
@@ -1548,7 +1553,9 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     # the run's span on the workers' clock (time.monotonic, one clock for every process
     # of the host): with the runs' t_mono it says what starting the engines cost, what a
     # planned run would (benchmarks/aa_design.py, run_costs)
-    host["clock"] = {"began_mono": round(t_begin, 6), "ended_mono": round(time.monotonic(), 6)}
+    host["clock"] = {"began_mono": round(t_begin, 6),
+                     "ready_mono": None if t_ready is None else round(t_ready, 6),
+                     "ended_mono": round(time.monotonic(), 6)}
     if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
         notes = notes + [slow_host_note(host["speed"])]
     points = compute_points(samples, scenarios, arm_names, baseline, kernels)
@@ -2050,14 +2057,25 @@ def samples_by_process(samples: list) -> list:
              + (f"@g{s['generation']}" if s.get("generation") else "")} for s in samples]
 
 
+def split_generation(process: str) -> tuple:
+    """(process name without its generation, generation) of a name
+    :func:`samples_by_process` gave: ``("aa.p3", 2)`` for ``aa.p3@g2``, ``("aa.p3", 0)``
+    for ``aa.p3``. Only a trailing ``@g`` and digits is a generation: an arm may itself be
+    named ``x@gpu``."""
+    head, at, tail = process.rpartition("@g")
+    if at and tail.isdigit():
+        return head, int(tail)
+    return process, 0
+
+
 def baseline_process(process: str, baseline: str) -> str:
     """The baseline's first process in the generation of ``process`` (a name
     :func:`samples_by_process` gave): ``vanilla`` for ``aa.p3``, ``vanilla@g2`` for
     ``aa.p3@g2``. Why: a per-process reading compares each process with the baseline
     process that ran beside it; a later generation's processes never shared a repetition
     with the first generation's ``vanilla``, so read against it they had no pairs."""
-    _, at, generation = process.partition("@g")
-    return baseline + (f"@g{generation}" if at else "")
+    generation = split_generation(process)[1]
+    return baseline + (f"@g{generation}" if generation else "")
 
 
 #: warm-up repetitions after each restart of a later generation (``run_e2e(generations=)``):
