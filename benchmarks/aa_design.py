@@ -52,6 +52,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,8 +92,9 @@ def generations_design(k: int, reps: int, sp: float, se: float, target: float, *
     (``fltune bench --e2e --generations G``: every process started afresh G - 1 times in
     the run) whose CI is within ``target``, at max(``reps``, 2 G) repetitions: what fresh
     processes buy where the card holds no more of them at once. Each generation costs an
-    engine restart (loaded, all arms in parallel: ~30 s on session 35's H100) and a
-    warm-up repetition."""
+    engine restart (loaded, all arms in parallel: ~30 s on session 35's H100, 40-49 s for
+    eight engines on session 44's; :func:`call_seconds` prices it) and a warm-up
+    repetition."""
     out = {"procs": k, "by_generations": {}, "coverage": {}, "generations_needed": None}
     for g in GENERATIONS:
         r = max(reps, 2 * g)
@@ -143,11 +145,11 @@ def run_costs(raw: dict, scenario: str | None = None) -> dict | None:
     repetitions; ``restart_s``, one restart of every worker (``host.generations``, a
     run with generations), else a loaded engine's start (the arms' ``start_s``);
     ``start_s``, from the run's beginning to the moment every engine was up (before the
-    first warm-up) where the run recorded its clock (``host.clock``, session 44 on), else the first wave's start (a compiled
-    arm's ``first_start``) plus two loaded starts (the second wave, and the compiled arms'
-    restart to a loaded engine): session 44's five-generation run read 88 + 2 x 41.7 s
-    there, where its call spent ~150 s before the first timed run. None without
-    ``t_mono``."""
+    first warm-up) where the run recorded its clock (``host.clock``, session 44 on), else
+    the first wave's start (a compiled arm's ``first_start``) plus two loaded starts (the
+    second wave, and the compiled arms' restart to a loaded engine): session 44's
+    five-generation run read 88 + 2 x 41.7 s there, where its call spent ~150 s before
+    the first timed run. None without ``t_mono``."""
     by_rep: dict = {}
     engines: dict = {}
     for s in raw.get("samples") or []:
@@ -157,24 +159,24 @@ def run_costs(raw: dict, scenario: str | None = None) -> dict | None:
         if ts:
             by_rep.setdefault(s["rep"], []).extend(ts)
             engines.setdefault(s["rep"], set()).add((s["arm"], s.get("replica", 1)))
-    per_engine = sorted((max(v) - min(v)) / len(engines[r]) for r, v in by_rep.items()
-                        if len(v) > 1)
+    per_engine = [(max(v) - min(v)) / len(engines[r]) for r, v in by_rep.items()
+                  if len(v) > 1]
     if not per_engine:
         return None
     host = raw.get("host") or {}
     arms = raw.get("arms") or {}
-    starts = sorted(a["start_s"] for a in arms.values() if a.get("start_s"))
-    loaded = starts[len(starts) // 2] if starts else None
-    restarts = sorted(r["s"] for r in (host.get("generations") or {}).get("restarts") or []
-                      if r.get("s"))
-    restart = restarts[len(restarts) // 2] if restarts else loaded
+    starts = [a["start_s"] for a in arms.values() if a.get("start_s")]
+    loaded = statistics.median_high(starts) if starts else None
+    restarts = [r["s"] for r in (host.get("generations") or {}).get("restarts") or []
+                if r.get("s")]
+    restart = statistics.median_high(restarts) if restarts else loaded
     clock = host.get("clock") or {}
     if clock.get("began_mono") is not None and clock.get("ready_mono") is not None:
         start = clock["ready_mono"] - clock["began_mono"]
     else:
         firsts = [(a.get("first_start") or {}).get("start_s") or 0.0 for a in arms.values()]
         start = max(firsts + starts + [0.0]) + 2 * (loaded or 0.0)
-    return {"rep_engine_s": round(per_engine[len(per_engine) // 2], 3),
+    return {"rep_engine_s": round(statistics.median_high(per_engine), 3),
             "restart_s": restart and round(restart, 1), "start_s": round(start, 1)}
 
 

@@ -157,11 +157,12 @@ class RunConfigError(ValueError):
     failure of the run, not of the command line."""
 
 
-def _env_number(name: str, what: str) -> float:
-    """``float`` of environment variable ``name``, or :class:`RunConfigError` naming it."""
+def _env_number(name: str, what: str, parse=float):
+    """``parse`` (``float`` or ``int``) of environment variable ``name``, or
+    :class:`RunConfigError` naming it and ``what`` it should be."""
     text = os.environ.get(name, "")
     try:
-        value = float(text)
+        value = parse(text)
     except ValueError:
         value = math.nan
     if not math.isfinite(value):        # 'nan' parses, and would pass every check after it
@@ -946,26 +947,21 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         raise RunConfigError("reps must be >= 1")
     n_procs = procs     # ``procs`` below is the workers by name
     if n_procs is None:
-        env_procs = os.environ.get("FLTUNE_E2E_PROCS") or "1"
-        try:
-            n_procs = int(env_procs)
-        except ValueError:
-            raise RunConfigError(f"FLTUNE_E2E_PROCS={env_procs!r}: a whole number of worker "
-                             f"processes per arm (1 or more)") from None
+        n_procs = (_env_number("FLTUNE_E2E_PROCS", "a whole number of worker processes per "
+                               "arm (1 or more)", int)
+                   if os.environ.get("FLTUNE_E2E_PROCS") else 1)
     n_generations = generations
     if n_generations is None:
-        env_gens = os.environ.get("FLTUNE_E2E_GENERATIONS") or "1"
-        try:
-            n_generations = int(env_gens)
-        except ValueError:
-            raise RunConfigError(f"FLTUNE_E2E_GENERATIONS={env_gens!r}: a whole number of "
-                             f"process generations (1 or more)") from None
+        n_generations = (_env_number("FLTUNE_E2E_GENERATIONS", "a whole number of process "
+                                     "generations (1 or more)", int)
+                         if os.environ.get("FLTUNE_E2E_GENERATIONS") else 1)
         # (the environment also reaches the adjudications' shorter runs: at most one
         # generation per repetition there)
         n_generations = min(n_generations, reps)
     if not 1 <= n_generations <= reps:
         raise RunConfigError(f"generations must be between 1 and reps ({reps}): each "
-                         f"generation measures at least one repetition; got {n_generations}")
+                             f"generation measures at least one repetition; "
+                             f"got {n_generations}")
     # from here on every "arm" is one worker process: an arm's first keeps its name
     arm_names, arms = names, replica_arms(arms, n_procs)
     replica_of = {a.name: (base, j) for a, (base, j) in zip(arms,
@@ -973,19 +969,19 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     pinning = pinning or os.environ.get("FLTUNE_E2E_PINNING") or "shared"
     if pinning not in PINNING_MODES:
         raise RunConfigError(f"pinning must be one of {PINNING_MODES} (--pinning or "
-                            f"FLTUNE_E2E_PINNING), got {pinning!r}")
+                             f"FLTUNE_E2E_PINNING), got {pinning!r}")
     if device_type is None:
         import torch
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if engine_process not in ENGINE_PROCESSES:
         raise RunConfigError(f"engine_process must be one of {sorted(ENGINE_PROCESSES)}, "
-                         f"got {engine_process!r}")
+                             f"got {engine_process!r}")
     if kernel_profile is None:
         kernel_profile = device_type == "cuda" and engine_process == "in-process"
     elif kernel_profile and engine_process != "in-process":
-        raise RunConfigError("the kernel profile needs engine_process='in-process': with the "
-                         "multiprocess engine the kernels run in the engine core's process, "
-                         "out of the worker's torch.profiler")
+        raise RunConfigError("the kernel profile needs engine_process='in-process': with "
+                             "the multiprocess engine the kernels run in the engine core's "
+                             "process, out of the worker's torch.profiler")
     t_begin = time.monotonic()
     t_ready = None      # every engine up (set where the repetitions begin)
     if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
@@ -1004,13 +1000,14 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     interleave = interleave or os.environ.get("FLTUNE_E2E_INTERLEAVE") or "runs"
     if interleave not in INTERLEAVES:
         raise RunConfigError(f"interleave must be one of {INTERLEAVES} (--interleave or "
-                            f"FLTUNE_E2E_INTERLEAVE), got {interleave!r}")
+                             f"FLTUNE_E2E_INTERLEAVE), got {interleave!r}")
     if parallel_start is None:
         parallel_start = parallel_start_default(device_type)
     if start_state is None:
         start_state = start_state_default(device_type)
     if start_state not in START_STATES:
-        raise RunConfigError(f"start_state must be one of {START_STATES}, got {start_state!r}")
+        raise RunConfigError(f"start_state must be one of {START_STATES}, "
+                             f"got {start_state!r}")
     if host_profile is None:
         host_profile = os.environ.get("FLTUNE_E2E_HOST_PROFILE", "") == "1"
     if probe_gate is None:
@@ -1701,7 +1698,7 @@ def parallel_start_default(device_type: str) -> bool:
         return env == "1"
     if env:
         raise RunConfigError(f"FLTUNE_E2E_PARALLEL_START={env!r}: use 1 (start the arms' "
-                         "engines at once) or 0 (one after another)")
+                             "engines at once) or 0 (one after another)")
     return device_type == "cuda"
 
 
