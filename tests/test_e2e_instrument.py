@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fltune.evaluate import e2e
+from fltune.evaluate import e2e, e2e_stats
 from fltune.evaluate.e2e import Arm, Scenario, bootstrap_ci
 
 HERE = Path(__file__).resolve().parent
@@ -498,7 +498,7 @@ def test_generations_are_new_processes_and_the_ci_resamples_them():
     assert held >= 10
 
 
-def test_few_generations_also_draw_the_processes_inside_each():
+def test_few_generations_also_draw_the_processes_inside_each(monkeypatch):
     """Below ``CLUSTER_GENERATIONS`` the generations alone are too few draws (two or three
     resampled with replacement: the CI too narrow, session 43's simulation), so each drawn
     generation's processes are drawn as well: the CI is at least as wide as the pure
@@ -507,11 +507,9 @@ def test_few_generations_also_draw_the_processes_inside_each():
     base = e2e.rep_table(samples, "d", "vanilla")
     arm = e2e.rep_table(samples, "d", "aa")
     _, lo, hi, _ = e2e.hierarchical_ci(base, arm, resamples=800)
-    try:
-        e2e.CLUSTER_GENERATIONS, keep = 2, e2e.CLUSTER_GENERATIONS
-        _, lo2, hi2, _ = e2e.hierarchical_ci(base, arm, resamples=800)
-    finally:
-        e2e.CLUSTER_GENERATIONS = keep
+    # (the constant lives where hierarchical_ci reads it: the statistics' own module)
+    monkeypatch.setattr(e2e_stats, "CLUSTER_GENERATIONS", 2)
+    _, lo2, hi2, _ = e2e.hierarchical_ci(base, arm, resamples=800)
     assert hi - lo > hi2 - lo2
 
 
