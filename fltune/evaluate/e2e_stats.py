@@ -8,7 +8,9 @@ instrument computes its summary with them when a run ends, and the scripts under
 read old runs' raw files with the very same code, so a figure re-read later is the figure
 the run printed, with today's estimate. Each sample is a dict as ``run_e2e`` records it
 (``rep``, ``scenario``, ``arm``, ``replica``, optional ``generation``, ``time_s``,
-``fast_s``, the worker's ``runs`` and ``host`` probes); :mod:`fltune.evaluate.e2e`
+``fast_s``, the worker's ``runs`` and ``host`` probes); a scenario is anything with
+``name``, ``kind`` and ``output_len`` (an ``e2e.Scenario``: this module imports nothing
+of the instrument, so a reader of raw data need not load it). :mod:`fltune.evaluate.e2e`
 re-exports every public name here, so ``from fltune.evaluate.e2e import hierarchical_ci``
 keeps working.
 """
@@ -17,10 +19,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .e2e import Scenario
 
 
 def bootstrap_ci(ratios, *, resamples: int = 2000, confidence: float = 0.95,
@@ -193,7 +191,7 @@ def _median(xs):
 STEP_WINDOW, STEP_SKIP = 8, 2
 
 
-def step_estimate(scenario: Scenario, r: dict) -> float:
+def step_estimate(scenario, r: dict) -> float:
     """One repetition's time for ``scenario``, from the worker's per-step durations
     (``r["runs"]``: one list of engine-step seconds per inner run).
 
@@ -231,7 +229,7 @@ def run_windows(steps: list) -> list:
     return [sum(body[i:i + w]) / w for i in range(0, len(body) - w + 1, w)]
 
 
-def run_estimates(scenario: Scenario, r: dict) -> list:
+def run_estimates(scenario, r: dict) -> list:
     """Each inner run's own time, in :func:`step_estimate`'s terms: decode, the median of
     the run's windows; prefill, the run's engine steps summed."""
     return [step_estimate(scenario, {"runs": [steps]}) for steps in r.get("runs") or []
@@ -244,7 +242,7 @@ def run_estimates(scenario: Scenario, r: dict) -> list:
 FAST_LEVEL_BAND = 1.05
 
 
-def fast_level_estimate(scenario: Scenario, r: dict) -> float | None:
+def fast_level_estimate(scenario, r: dict) -> float | None:
     """One repetition's time at the host's full speed (``fast_s``; the point's ``fast_*``
     figures), beside :func:`step_estimate`'s median (the main figure, ``ratio_median``).
 
@@ -473,7 +471,7 @@ def _offsets_or_none(arm: dict, base: dict) -> dict | None:
     return offs if any(x is not None for side in offs.values() for x in side) else None
 
 
-def _fast_figures(samples: list, scenario: Scenario, arm: str, baseline: str) -> dict:
+def _fast_figures(samples: list, scenario, arm: str, baseline: str) -> dict:
     """The point's ratio from :func:`fast_level_estimate` (``fast_ratio_median``,
     ``fast_ci_low``, ``fast_ci_high``, ``fast_ratios``), paired per repetition like the
     main one (processes too): read from the sample's steps where it has them (so older raw
