@@ -15,7 +15,6 @@ came from under ``relabelled_from``, and computes the fingerprint again.
 Never ship or serve the result as a calibration: its speed claims are the other device's.
 Figures taken with it say "relabelled" wherever they are reported.
 """
-import json
 import sys
 
 from fltune.dispatch.manifest import fingerprint_of, load_manifest, write_manifest

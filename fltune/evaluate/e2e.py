@@ -878,12 +878,8 @@ class _Run:
         #: dirs made, cores): a restart spawns it again with the same
         self.spawned: dict = {}
         self.fresh_dirs: list = []
-        # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
-        # 2-core machine cannot be given two each anyway
-        self.pin = plan_pinning(s.pinning) if s.device_type == "cuda" else None
-        self.host = {"pinning": self.pin.describe() if self.pin else
-                     {"mode": "off" if s.device_type == "cuda" else "off (CPU device)"},
-                     "probe_gate": s.probe_gate, "interleave": s.interleave}
+        self.pin = None         # the cores (``run``: planned once the run has started)
+        self.host: dict = {}    # the run's record (``E2EResult.host``)
         self.card_before = None         # the card before the first wave (memory preflight)
         self.procs_started = s.procs    # fewer where the preflight leaves levels out
         # the measurement's state
@@ -902,6 +898,13 @@ class _Run:
         s = self.s
         self.progress("start", arms=self.arm_names, scenarios=[x.name for x in self.scenarios],
                       total=len(rep_plan(s.warmup, s.reps, s.generations)) * len(self.scenarios))
+        # CUDA only: on CPU the engine computes on those very cores, and two arms sharing a
+        # 2-core machine cannot be given two each anyway (planned after "start": "measure"
+        # times every core first)
+        self.pin = plan_pinning(s.pinning) if s.device_type == "cuda" else None
+        self.host.update({"pinning": self.pin.describe() if self.pin else
+                          {"mode": "off" if s.device_type == "cuda" else "off (CPU device)"},
+                          "probe_gate": s.probe_gate, "interleave": s.interleave})
         parent_cpus = os.sched_getaffinity(0)
         if self.pin and self.pin.parent:
             os.sched_setaffinity(0, self.pin.parent)
