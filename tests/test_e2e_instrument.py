@@ -498,6 +498,19 @@ def test_generations_are_new_processes_and_the_ci_resamples_them():
     assert held >= 10
 
 
+def test_the_geometric_mean_is_statistics_own_arithmetic_bit_for_bit():
+    """e2e_stats._geomean sums the logs itself (the bootstrap's hot loop) and must give
+    exactly what ``exp(statistics.fmean(logs))`` gives, so that a CI re-read from old raw
+    data reads what the run printed, to the last bit; one time is itself."""
+    rng = random.Random(3)
+    for n in (2, 3, 4, 8, 40):
+        for _ in range(200):
+            xs = [rng.uniform(1e-4, 0.05) for _ in range(n)]
+            assert e2e_stats._geomean(xs) == math.exp(statistics.fmean(math.log(x)
+                                                                       for x in xs))
+    assert e2e_stats._geomean([0.0123]) == 0.0123
+
+
 def test_few_generations_also_draw_the_processes_inside_each(monkeypatch):
     """Below ``CLUSTER_GENERATIONS`` the generations alone are too few draws (two or three
     resampled with replacement: the CI too narrow, session 43's simulation), so each drawn
