@@ -7,7 +7,9 @@
 # instrument run ends inside its phase's timeout (FLTUNE_E2E_TIME_LIMIT from `lim` below).
 # A fresh machine's first engine also autotunes the FLA kernels (~90 s): a carried
 # .fiaot/triton.tgz (Triton's cache from an earlier machine) saves that.
-# vLLM 0.24 staged in /tmp/vsite, SGLang 0.5.17 in /tmp/sgstage (scripts/stage-sglang.sh),
+# vLLM 0.24 staged in /tmp/vsite (scripts/stage-vllm.sh prints the calls; the last one carries
+# .veN, .whl and the vllm-install.sh it writes: `bash vllm-install.sh && PHASE=... bash
+# benchmarks/h200_s7.sh`), SGLang 0.5.17 in /tmp/sgstage (scripts/stage-sglang.sh),
 # .whl carried with a fresh fltune wheel; one phase per device call; state under /tmp/s7
 # (kept while the machine is warm). Every phase packs what it wrote into $OUT/PHASE.tgz
 # (a device call brings back at most 8 files).

@@ -80,4 +80,12 @@ echo "nothing else fits beside a folder: carry .fiaot/ in a call of its own"
 python3 scripts/carry_pack.py calls .ve "$n" /tmp/stage "VLLM_INSTALL; <your run>"
 # (a join runs only where parts are left, so a second try after a failed pip install does
 # not truncate the joined wheel; a failed join stops the install)
-echo 'VLLM_INSTALL = ( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && for p in $(ls *.whl.part000of* 2>/dev/null); do b=${p%.part000of*}; n=${p##*of}; h=$(ls $b.part*of$n | wc -l); [ $h -eq $((10#$n)) ] || { echo "VLLM_INSTALL: $h of $((10#$n)) pieces of $b here: a staging call is missing; its pieces are kept"; exit 1; }; cat $(ls $b.part*of$n | sort) > $b && rm $b.part*of$n || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'
+install='( [ -d /tmp/vsite/vllm ] || (cd /tmp/stage && for p in $(ls *.whl.part000of* 2>/dev/null); do b=${p%.part000of*}; n=${p##*of}; h=$(ls $b.part*of$n | wc -l); [ $h -eq $((10#$n)) ] || { echo "VLLM_INSTALL: $h of $((10#$n)) pieces of $b here: a staging call is missing; its pieces are kept"; exit 1; }; cat $(ls $b.part*of$n | sort) > $b && rm $b.part*of$n || exit 1; done && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/vsite ./*.whl) )'
+echo "VLLM_INSTALL = $install"
+# the last call's command as a file (ignored), so that it is not pasted by hand each session
+# (sessions 35-44 kept it as s35.sh): carry [".ve$n", ".whl", "vllm-install.sh"] and run
+# `bash vllm-install.sh && <your run>` (h200_s7.sh's preamble then installs .whl itself)
+grep -qxF /vllm-install.sh .git/info/exclude 2>/dev/null || echo /vllm-install.sh >> .git/info/exclude
+printf '%s\n' "# written by scripts/stage-vllm.sh: the last staging call's copy, then the install" \
+  "mkdir -p /tmp/stage && cp .ve$n/* /tmp/stage/ && $install" > vllm-install.sh
+echo "wrote vllm-install.sh: the last call is carry [\".ve$n\", \".whl\", \"vllm-install.sh\"], command \`bash vllm-install.sh && <your run>\`"
