@@ -62,9 +62,10 @@ def test_calls_carry_each_folder_once_and_the_last_with_the_wheels_and_the_run()
 
 
 def _vllm_install_join() -> str:
-    """The join loop of scripts/stage-vllm.sh's VLLM_INSTALL, as the script prints it."""
+    """The join loop of scripts/stage-vllm.sh's VLLM_INSTALL, as the script prints it and
+    writes it into vllm-install.sh (its ``install=`` line)."""
     line = next(ln for ln in (ROOT / "scripts" / "stage-vllm.sh").read_text().splitlines()
-                if ln.startswith("echo 'VLLM_INSTALL = "))
+                if ln.startswith("install='"))
     return line[line.index("for p in"):line.index("; done") + len("; done")]
 
 
