@@ -356,6 +356,23 @@ def test_a_process_offset_widens_the_ci_where_repetitions_alone_would_call_it_an
     line = [x for x in con.export_text().splitlines() if x.startswith("processes d aa:")]
     v = off["vanilla"]
     assert line and f"vanilla: {v[0]:+.1f}%, {v[1]:+.1f}%" in line[0], con.export_text()
+    # the host's speed, from the probes around the runs, stated before the table
+    samples_h = [dict(s, host=[{"probe_us": [700.0, 700.0 * (1.0 + 0.1 * (i % 3))]}])
+                 for i, s in enumerate(samples)]
+    speed = e2e.host_speed(samples_h)
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {"host_speed": speed},
+                "arms": {}, "points": [{k: p2.get(k) for k in e2e.POINT_KEYS}]}, console=con)
+    text = con.export_text()
+    assert (f"host: its probe read {speed['median_over_floor']:.2f}x its fastest at the "
+            f"median" in text and "the wall CIs measure the arms" in text), text
+    assert text.index("host: its probe") < text.index("throughput ratio to"), text
+    slow = dict(speed, median_over_floor=2.17, p90_over_floor=2.9, slow_share=0.69)
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {"host_speed": slow},
+                "arms": {}, "points": []}, console=con)
+    text = con.export_text()
+    assert f"69 % of {speed['runs']} runs" in text and "read the kernel figures" in text, text
     flat = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]})
     [p0] = e2e.compute_points(flat, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
                               "vanilla")

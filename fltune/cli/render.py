@@ -614,6 +614,25 @@ def against_aa_lines(reading) -> list:
     return out
 
 
+def host_speed_line(speed: dict | None) -> str | None:
+    """One line on how fast the host ran during the timed runs (the summary's
+    ``engine.host_speed``: ``e2e_stats.host_speed``), before the table: the wall figures
+    below are only as steady as it was. On session 44's H100s the probe read ~2x its
+    fastest for 70 % of the runs and the wall A/A spread ±5-15 %; on session 35's it read
+    1.06x and the A/A ±0.9-1.0 %. None where the run recorded no probes."""
+    if not speed or not speed.get("runs"):
+        return None
+    from ..evaluate.e2e_stats import SLOW_HOST_FACTOR
+    slow = (speed.get("median_over_floor") or 0) > SLOW_HOST_FACTOR
+    return (f"{'[yellow]' if slow else ''}host: its probe read "
+            f"{speed['median_over_floor']:.2f}x its fastest at the median, "
+            f"{speed['p90_over_floor']:.2f}x at the 90th percentile, "
+            f"{100 * speed['slow_share']:.0f} % of {speed['runs']} runs above "
+            f"{SLOW_HOST_FACTOR}x{'[/]' if slow else ''} ("
+            + ("slow: the wall CIs measure the host as much as the arms; read the kernel "
+               "figures" if slow else "the wall CIs measure the arms") + ")")
+
+
 def render_e2e(doc: dict, console=None) -> None:
     """`fltune bench --e2e`: per scenario x arm, the throughput ratio to the baseline (median
     [95% CI]) and GPU kernel µs per step (arm / baseline); then each arm's state."""
@@ -629,6 +648,9 @@ def render_e2e(doc: dict, console=None) -> None:
                   f"arm time")
     for n in eng.get("notes") or []:
         console.print(f"[yellow]note:[/] {escape(n)}")
+    line = host_speed_line(eng.get("host_speed"))
+    if line:
+        console.print(line)
     arms = [a for a in dict.fromkeys(p["arm"] for p in doc["points"])]
     scen = list(dict.fromkeys(p["scenario"] for p in doc["points"]))
     by = {(p["scenario"], p["arm"]): p for p in doc["points"]}
