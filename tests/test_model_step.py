@@ -886,6 +886,46 @@ def test_adjudicate_command_refuses_bad_input_before_any_work(tmp_path):
     assert r.returncode == 2 and "unknown op 'none'" in r.stderr and "silu_and_mul" in r.stderr
 
 
+def test_a_bad_e2e_variable_is_refused_before_anything_is_measured(cal_db, monkeypatch):
+    """FLTUNE_E2E_TIME_LIMIT reaches the adjudication (it splits the limit between its
+    runs): a value that is not a number is the instrument's RunConfigError naming it, before
+    the first engine, as in `fltune bench --e2e`; nan is no limit of any kind (it used to
+    pass as a float and make every time check false)."""
+    from fltune.evaluate import e2e, model_step
+
+    def measure(*a, **kw):
+        raise AssertionError("nothing may be measured")
+    for value in ("10min", "nan"):
+        monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", value)
+        with pytest.raises(e2e.RunConfigError, match=f"FLTUNE_E2E_TIME_LIMIT='{value}'"):
+            model_step.adjudicate(str(cal_db), str(FIXTURE), ops=["rms_norm"], reps=3,
+                                  warmup=1, command="test", measure=measure,
+                                  per_range=model_step.DEFAULT_RANGE_EDGES)
+    monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", "0")        # 0: no limit
+    assert e2e.time_limit_from_env() is None
+    monkeypatch.setenv("FLTUNE_E2E_TIME_LIMIT", "300")
+    assert e2e.time_limit_from_env() == 300.0
+
+
+@needs_vllm
+def test_adjudicate_command_shows_a_bad_e2e_variable_as_a_usage_error(cal_db, tmp_path):
+    """The per-op adjudication's CLI, as `fltune bench --e2e`'s: exit 2, one line naming the
+    variable, no traceback, the DB untouched (was a traceback from run_e2e or float())."""
+    import shutil
+
+    db = tmp_path / "cli.db"
+    shutil.copy(cal_db, db)
+    before = file_digest(db)
+    for var, value in (("FLTUNE_E2E_PROBE_GATE", "fast"), ("FLTUNE_E2E_TIME_LIMIT", "10min")):
+        r = subprocess.run([sys.executable, "-m", "fltune", "adjudicate", "--db", str(db),
+                            "--model", str(FIXTURE), "--ops", "rms_norm", "--reps", "2"],
+                           capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, **{var: value}))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"fltune: error: adjudicate: {var}='{value}'" in r.stderr, r.stderr
+    assert file_digest(db) == before
+
+
 def test_adjudication_refuses_an_op_the_model_does_not_run(cal_db):
     """A known op the model never runs (the fixture, a Qwen3, has no gemma norm) is an error
     naming the model's ops, not an empty adjudication."""

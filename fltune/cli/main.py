@@ -621,7 +621,11 @@ def cmd_adjudicate(a) -> int:
                                      confirm={"auto": None, "on": True, "off": False}[
                                          getattr(a, "confirm", "auto")])
 
-    doc = _interruptible((run, _measured_only("adjudicate")))
+    from ..evaluate.e2e import RunConfigError
+    try:
+        doc = _interruptible((run, _measured_only("adjudicate")))
+    except RunConfigError as e:     # an FLTUNE_E2E_* setting, before any engine started
+        raise UsageError(f"adjudicate: {e}") from None
     if a.out:
         os.makedirs(a.out, exist_ok=True)     # no e2e run (all native) created it
         _write_json(doc, os.path.join(a.out, "adjudication.json"))

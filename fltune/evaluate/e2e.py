@@ -140,6 +140,15 @@ class RunConfigError(ValueError):
     failure of the run, not of the command line."""
 
 
+def time_limit_from_env() -> float | None:
+    """``FLTUNE_E2E_TIME_LIMIT`` in seconds, None where unset or 0 (no limit); a value that
+    is not a number is a :class:`RunConfigError`. One parser for the instrument and the
+    adjudications that split the limit between their runs (``model_step.adjudicate``)."""
+    if not os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
+        return None
+    return _env_number("FLTUNE_E2E_TIME_LIMIT", "seconds (0: no limit)") or None
+
+
 def _env_number(name: str, what: str, parse=float):
     """``parse`` (``float`` or ``int``) of environment variable ``name``, or
     :class:`RunConfigError` naming it and ``what`` it should be."""
@@ -772,8 +781,8 @@ def resolve_settings(arm_names: list, *, baseline: str, reps: int, warmup: int,
         raise RunConfigError("the kernel profile needs engine_process='in-process': with "
                              "the multiprocess engine the kernels run in the engine core's "
                              "process, out of the worker's torch.profiler")
-    if time_limit_s is None and os.environ.get("FLTUNE_E2E_TIME_LIMIT"):
-        time_limit_s = _env_number("FLTUNE_E2E_TIME_LIMIT", "seconds (0: no limit)") or None
+    if time_limit_s is None:
+        time_limit_s = time_limit_from_env()
     if time_limit_s is not None and time_limit_s <= 0:
         raise RunConfigError(f"time_limit_s must be positive, got {time_limit_s}")
     if inner is None:

@@ -623,7 +623,7 @@ def adjudicate(db_path: str, model: str, *, device: Optional[str] = None,
         confirm = compile_aa_default(dev["device_type"])
     # a time limit (FLTUNE_E2E_TIME_LIMIT, per instrument run) shared with the as-served
     # run: the first gets 60 % of it (it has the more arms), the second what is left
-    limit = float(os.environ.get("FLTUNE_E2E_TIME_LIMIT") or 0) or None
+    limit = e2e.time_limit_from_env()     # (a bad value: RunConfigError, before any work)
     t_start = time.monotonic()
     shared = {"time_limit_s": 0.6 * limit} if limit and confirm and per_range else {}
     if to_measure:
