@@ -513,6 +513,22 @@ def test_autotune_declares_its_token_cap():
     assert native.unsupported((torch.zeros(cap + 1, 8), w, None)) is None
 
 
+def test_the_autotune_cap_is_read_from_the_environment_or_refused_by_name(monkeypatch):
+    """``FLTUNE_AUTOTUNE_MAX_TOKENS`` moves the cap; a value that is not a whole number of
+    tokens >= 1 is refused naming the variable (was Python's bare "invalid literal for
+    int()" in the discovery's "failed to load" line)."""
+    from fltune.backends import gemm
+
+    monkeypatch.setenv("FLTUNE_AUTOTUNE_MAX_TOKENS", "128")
+    assert gemm._autotune_max_tokens() == 128
+    monkeypatch.delenv("FLTUNE_AUTOTUNE_MAX_TOKENS")
+    assert gemm._autotune_max_tokens() == 64
+    for bad in ("abc", "0", "-4", "1.5"):
+        monkeypatch.setenv("FLTUNE_AUTOTUNE_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match=f"FLTUNE_AUTOTUNE_MAX_TOKENS='{bad}'"):
+            gemm._autotune_max_tokens()
+
+
 def test_serve_says_before_the_start_that_max_autotune_templates_compile():
     """`fltune serve` counts the linear bands an Inductor max-autotune template serves (each
     compiled at its first captured size: minutes cold) and says so; other ops' bands do not

@@ -293,7 +293,25 @@ def autotune_linear(x, weight, bias):
 #: Above the cap the candidate declares the call unsupported (``supports``), so the race
 #: leaves it out of those bands and serving never compiles a graph for a prefill size.
 #: ``FLTUNE_AUTOTUNE_MAX_TOKENS`` moves it (read at import, before any calibration).
-AUTOTUNE_MAX_TOKENS = int(os.environ.get("FLTUNE_AUTOTUNE_MAX_TOKENS", "64"))
+def _autotune_max_tokens(default: int = 64) -> int:
+    """``FLTUNE_AUTOTUNE_MAX_TOKENS`` (a whole number of tokens >= 1), else ``default``; a
+    value that is not one is refused naming the variable (the backend's discovery then says
+    so, instead of Python's bare "invalid literal for int()")."""
+    text = os.environ.get("FLTUNE_AUTOTUNE_MAX_TOKENS", "").strip()
+    if not text:
+        return default
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"FLTUNE_AUTOTUNE_MAX_TOKENS={text!r}: expected a whole number of "
+                         f"tokens >= 1 (the largest call max-autotune may compile for; "
+                         f"default {default})")
+    return n
+
+
+AUTOTUNE_MAX_TOKENS = _autotune_max_tokens()
 
 
 def _autotune_tokens(args) -> Optional[str]:
