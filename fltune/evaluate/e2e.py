@@ -1110,6 +1110,9 @@ class _Run:
     # ---- calls to the workers ----------------------------------------------------------
 
     def fail(self, name, e):
+        """Worker ``name`` failed a call: recorded with its log's tail, killed, and out of
+        the run (its points are left out; :func:`complete_processes` drops its arm's
+        process from the whole generation)."""
         info = self.arms_info[name]
         info["error"] = f"during the run: {e}"
         info["log_tail"] = self.procs[name].log_tail()
@@ -1158,6 +1161,7 @@ class _Run:
             time.monotonic(), self.block_s.get(scenario, 0.0), self.deadline)
 
     def cut_by_limit(self) -> bool:
+        """Whether the time limit cut a scenario block (no host profile after that)."""
         return bool(self.deadline) and "cut" in self.host.get("time_limit", {})
 
     # ---- kernel profile: several rounds, arms alternated like the timed ones -------------
