@@ -160,3 +160,22 @@ def test_generations_restart_every_worker_in_one_wave_when_all_loaded(fake_cuda,
     assert (tmp_path / "run" / "worker-vanilla.g0.log").is_file()
     assert any(n.startswith("2 generations of worker processes") for n in res.engine_notes)
     assert res.points[0]["n"] == 4 and res.reps == 4
+
+
+def test_a_generation_that_would_not_fit_the_time_limit_ends_the_run_cleanly(fake_cuda,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """The time limit is weighed before the next generation's restart, not during it: once
+    the first block is measured, a limit with no room left ends the run there with its two
+    repetitions, recorded, no worker stopped and started again for nothing (session 44's
+    first generations run stopped so, after four of six generations)."""
+    def progress(event, **kw):
+        if event == "rep" and kw.get("measured_rep") == 1:      # the first block's last
+            monkeypatch.setattr(e2e, "TIME_LIMIT_MARGIN_S", 7200.0)
+    res = _run(tmp_path, reps=4, generations=2, time_limit_s=3600.0, progress=progress)
+    assert [n for n, _ in FakeWorker.spawned] == ["vanilla", "aa"]     # nothing restarted
+    limit = res.host["time_limit"]
+    assert res.reps == 2 and (limit["reps_done"], limit["reps_asked"]) == (2, 4)
+    assert res.host["generations"]["restarts"] == []
+    assert not any(n.startswith("2 generations") for n in res.engine_notes)
+    assert res.points[0]["n"] == 2
