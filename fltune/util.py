@@ -22,6 +22,17 @@ ENGINE_MAX_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+def int_at_least(text, low: int):
+    """``int(text)`` where that is a whole number >= ``low``, else None: the check of a
+    count given as text (an environment variable, a value of ``--engine-choice``), whose
+    caller names the setting in its own error."""
+    try:
+        n = int(text)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= low else None
+
+
 def json_object(text) -> dict:
     """A DB column holding a JSON object (a run's settings, a row's dims) as a dict: {} for
     NULL, text that is not JSON, or JSON that is not an object (a hand-edited or foreign

@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dispatch.types import BackendImplKind, OpImpl
+from ..util import int_at_least
 from ._util import dtype_reason, import_reason, requires
 
 VENDOR = "vllm"
@@ -300,11 +301,8 @@ def _autotune_max_tokens(default: int = 64) -> int:
     text = os.environ.get("FLTUNE_AUTOTUNE_MAX_TOKENS", "").strip()
     if not text:
         return default
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
+    n = int_at_least(text, 1)
+    if n is None:
         raise ValueError(f"FLTUNE_AUTOTUNE_MAX_TOKENS={text!r}: expected a whole number of "
                          f"tokens >= 1 (the largest call max-autotune may compile for; "
                          f"default {default})")

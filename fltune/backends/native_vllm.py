@@ -95,7 +95,7 @@ import torch
 
 from ..dispatch.types import BackendImplKind, OpImpl
 from ..ops import OPS, current_workload_dims
-from ..util import ENGINE_MAX_BATCHED_TOKENS
+from ..util import ENGINE_MAX_BATCHED_TOKENS, int_at_least
 from .inductor import _qualify
 
 PRIORITY = 42
@@ -110,11 +110,8 @@ def trace_tokens(device_type: str) -> int:
     """The token count a graph is traced and first run at on this device."""
     env = os.environ.get("FLTUNE_NATIVE_TRACE_TOKENS", "").strip()
     if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < 2:
+        n = int_at_least(env, 2)
+        if n is None:
             raise ValueError(f"FLTUNE_NATIVE_TRACE_TOKENS={env!r}: give vLLM's "
                              f"max_num_batched_tokens, an integer >= 2")
         return n

@@ -62,6 +62,7 @@ from ..dispatch.manifest import model_key
 from ..store import CalibrationDB, DBError
 from ..store import device as devmod
 from ..tune.workload import load_config
+from ..util import int_at_least
 from . import model_step
 from .model_step import _reported_key, _scenario_json, _served_config, decide
 
@@ -422,11 +423,8 @@ def _cudagraph_overlay(v: str) -> dict:
     """``compilation_config.max_cudagraph_capture_size``; ``auto`` sets nothing."""
     if v == DEFAULT:
         return {}
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
+    n = int_at_least(v, 1)
+    if n is None:
         raise ValueError(f"cudagraph_max_size: value {v!r} is not a token count or auto")
     return {"compilation_config": {"max_cudagraph_capture_size": n}}
 
@@ -491,11 +489,8 @@ def _fa_splits_overlay(v: str) -> dict:
     nothing (vLLM's 32)."""
     if v == DEFAULT:
         return {}
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if n < 1:
+    n = int_at_least(v, 1)
+    if n is None:
         raise ValueError(f"flash_attn_max_splits: value {v!r} is not a split count (>= 1) "
                          f"or auto")
     return {"attention_config": {"flash_attn_max_num_splits_for_cuda_graph": n}}
