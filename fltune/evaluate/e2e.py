@@ -1161,7 +1161,8 @@ class _Run:
             time.monotonic(), self.block_s.get(scenario, 0.0), self.deadline)
 
     def cut_by_limit(self) -> bool:
-        """Whether the time limit cut a scenario block (no host profile after that)."""
+        """Whether the time limit cut a scenario block (no later profile round or host
+        profile after that)."""
         return bool(self.deadline) and "cut" in self.host.get("time_limit", {})
 
     # ---- kernel profile: several rounds, arms alternated like the timed ones -------------
@@ -1246,7 +1247,7 @@ class _Run:
         """The kernel profile's rounds after the first, unless the limit cut the run."""
         if not self.s.kernel_profile:
             return
-        if self.deadline and ("cut" in self.host.get("time_limit", {}) or not self.samples):
+        if self.cut_by_limit() or (self.deadline and not self.samples):
             # cut by the limit, or nothing timed: a profile round would start inside the
             # margin, and kernel rounds without wall pairs make no point (the first round's
             # figures stay)
