@@ -15,6 +15,7 @@ order, what the preflight left out, the samples' processes and generations.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -31,6 +32,7 @@ class FakeWorker:
     first start does on a fresh GPU machine; every other start loads."""
 
     spawned: list = []          # (name, pid), in spawn order, for the test to read
+    timed_calls: dict = {}      # (name, pid) -> the timing calls that worker served
     compiled: set = set()
     _pid = 1000
 
@@ -54,6 +56,10 @@ class FakeWorker:
         self.log = open(log_path, "w")
         self.first = not any(n == arm.name for n, _ in FakeWorker.spawned)
         FakeWorker.spawned.append((arm.name, self.p.pid))
+        # an fltune arm's plugin writes its per-process call counts where the instrument
+        # says (the real one: integrations/vllm/hooks.py, from zero in each process)
+        self.counters_file = (env or {}).get("FLTUNE_COUNTERS_FILE")
+        self.timed = 0
 
     def reply(self, timeout):
         return {"ok": True}
@@ -69,6 +75,8 @@ class FakeWorker:
             toks = [[1, 2, 3, 4]] * 4
             return {"ok": True, "digest": "d", "tokens": toks}
         if cmd == "time":
+            self.timed += 1
+            FakeWorker.timed_calls[(self.arm.name, self.p.pid)] = self.timed
             steps = [0.002] * 16
             return {"ok": True, "runs": [steps] * msg["inner"],
                     "run_s": [sum(steps)] * msg["inner"],
@@ -81,13 +89,17 @@ class FakeWorker:
     def stop(self):
         self.p.returncode = 0
         self.log.close()
+        if self.counters_file:
+            with open(self.counters_file, "w") as f:
+                json.dump({"fingerprint": "f", "counters": {"rms_norm": {"flagos": self.timed}},
+                           "rerouted": {"rms_norm": {"flagos -> native": 1}}}, f)
 
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """The instrument's process and card boundaries replaced by stand-ins; returns the
     list the stand-in ``read_card`` pops its readings from ((used MiB, free MiB))."""
-    FakeWorker.spawned, FakeWorker.compiled = [], set()
+    FakeWorker.spawned, FakeWorker.compiled, FakeWorker.timed_calls = [], set(), {}
     monkeypatch.setattr(e2e, "_Proc", FakeWorker)
     monkeypatch.setattr(e2e, "stable_model_dir", lambda model: "/nonexistent/model")
     monkeypatch.setattr(e2e, "config_of", lambda d: {"architectures": ["Qwen3ForCausalLM"],
@@ -160,6 +172,25 @@ def test_generations_restart_every_worker_in_one_wave_when_all_loaded(fake_cuda,
     assert (tmp_path / "run" / "worker-vanilla.g0.log").is_file()
     assert any(n.startswith("2 generations of worker processes") for n in res.engine_notes)
     assert res.points[0]["n"] == 4 and res.reps == 4
+
+
+def test_a_routed_arms_counters_add_up_over_its_generations(fake_cuda, tmp_path):
+    """Each generation's worker writes its counters from zero to the same path; the run's
+    record sums them (three generations: every timed call counted, each generation's
+    reroute too), not the last generation's alone (until session 46 a generations run
+    reported its last generation's routed calls alone)."""
+    arms = [Arm("vanilla", {}), Arm("routed", {"FLTUNE_ROUTE": "all"})]
+    res = e2e.run_e2e("m", arms, SCENARIO, reps=3, warmup=1, generations=3,
+                      device_type="cuda", pinning="off", kernel_profile=False,
+                      out_dir=str(tmp_path / "run"))
+    per_worker = [n for (arm, _), n in FakeWorker.timed_calls.items() if arm == "routed"]
+    got = res.arms_info["routed"]["counters"]
+    assert len(res.host["generations"]["restarts"]) == 2 and len(per_worker) == 3
+    assert got["generations"] == 3
+    assert got["counters"] == {"rms_norm": {"flagos": sum(per_worker)}}
+    assert got["rerouted"] == {"rms_norm": {"flagos -> native": 3}}
+    assert sorted(os.listdir(tmp_path / "run" / "g0")) == ["counters-routed.json"]
+    assert res.arms_info["vanilla"]["counters"] is None
 
 
 def test_a_generation_that_would_not_fit_the_time_limit_ends_the_run_cleanly(fake_cuda,

@@ -1283,6 +1283,7 @@ class _Run:
             info = arms_info[a.name]
             os.replace(info["log"], os.path.join(self.work, f"worker-{a.name}.g{gen - 1}.log"))
             info.pop("start_s", None)
+            keep_generation_counters(info.get("counters_file"), self.work, gen - 1)
         states = {a.name: (arms_info[a.name].get("compile") or {}).get("state")
                   for a in live}
         for wave in generation_waves(live, states, self.s.parallel_start):
@@ -1430,7 +1431,8 @@ class _Run:
         the workers reported: counters, notes, the host's speed and clock, the points."""
         s, host, notes = self.s, self.host, self.notes
         for name, info in self.arms_info.items():
-            info["counters"], by_proc = read_counters(info.get("counters_file"))
+            info["counters"], by_proc = read_generations_counters(info.get("counters_file"),
+                                                                  self.work)
             if by_proc is not None:
                 info["counters_by_process"] = by_proc
         if s.procs > 1:
@@ -1699,6 +1701,78 @@ def read_counters(path: str | None):
         return None, {}
     busiest = max(by_proc.values(), key=lambda c: sum((_routed_calls(c) or {}).values()))
     return busiest, by_proc
+
+
+def generation_dir(work: str, gen: int) -> str:
+    """Where generation ``gen``'s counters files go once its workers stop (``g0`` is the
+    first generation): the next generation's workers write the same paths afresh."""
+    return os.path.join(work, f"g{gen}")
+
+
+def keep_generation_counters(path: str | None, work: str, gen: int) -> None:
+    """An arm's counters file(s) (every rank's, ``{pid}``) moved into
+    :func:`generation_dir` as its workers stop for a new generation. Why: a restarted
+    plugin writes the same path from zero, so without this the run's counters would be the
+    last generation's alone, a fraction of the routed calls the samples ran through."""
+    import glob
+
+    if not path:
+        return
+    if "{pid}" in path:
+        head, tail = path.split("{pid}", 1)
+        found = glob.glob(glob.escape(head) + "*" + glob.escape(tail))
+    else:
+        found = [path] if os.path.exists(path) else []
+    if not found:
+        return
+    dest = generation_dir(work, gen)
+    os.makedirs(dest, exist_ok=True)
+    for f in found:
+        os.replace(f, os.path.join(dest, os.path.basename(f)))
+
+
+def _sum_calls(a: dict | None, b: dict | None) -> dict:
+    """Two ``{op: {key: calls}}`` tables added key by key."""
+    out = {op: dict(v) for op, v in (a or {}).items()}
+    for op, per in (b or {}).items():
+        for key, n in per.items():
+            out.setdefault(op, {})[key] = out.get(op, {}).get(key, 0) + n
+    return out
+
+
+def read_generations_counters(path: str | None, work: str):
+    """(counters, by_process) over every generation of a run: :func:`read_counters` of
+    each generation's files (those :func:`keep_generation_counters` moved, then the live
+    path, the last generation's), the routed and rerouted calls summed, the rest of the
+    record (fingerprint, routes) the last generation's; ``counters["generations"]`` says
+    how many were summed. A run without generations reads as :func:`read_counters`."""
+    if not path:
+        return None, None
+    import glob
+
+    earlier = sorted((d for d in glob.glob(os.path.join(glob.escape(work), "g*"))
+                      if os.path.basename(d)[1:].isdigit() and os.path.isdir(d)),
+                     key=lambda d: int(os.path.basename(d)[1:]))
+    reads = [read_counters(os.path.join(d, os.path.basename(path))) for d in earlier]
+    reads.append(read_counters(path))
+    if len(reads) == 1:
+        return reads[0]
+    got = [c for c, _ in reads if c is not None]
+    if not got:
+        return None, reads[-1][1]
+    merged = dict(got[-1])
+    for key in ("counters", "rerouted"):
+        total: dict = {}
+        for c in got:
+            total = _sum_calls(total, c.get(key))
+        merged[key] = total
+    merged["generations"] = len(got)
+    by_proc = None
+    if any(bp is not None for _, bp in reads):
+        by_proc = {}
+        for _, bp in reads:
+            by_proc.update(bp or {})
+    return merged, by_proc
 
 
 def is_fltune_arm(env) -> bool:
