@@ -369,10 +369,18 @@ def test_a_process_offset_widens_the_ci_where_repetitions_alone_would_call_it_an
     assert text.index("host: its probe") < text.index("throughput ratio to"), text
     slow = dict(speed, median_over_floor=2.17, p90_over_floor=2.9, slow_share=0.69)
     con = Console(record=True, width=200)
-    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {"host_speed": slow},
+    notes = [e2e.slow_host_note(slow), "another note"]
+    render_e2e({"model": "m", "device": "d", "vllm": "0",
+                "engine": {"host_speed": slow, "notes": notes},
                 "arms": {}, "points": []}, console=con)
     text = con.export_text()
     assert f"69 % of {speed['runs']} runs" in text and "read the kernel figures" in text, text
+    # said once: the slow-host note gives way to the host line (it stays in the JSON)
+    assert "another note" in text and "ran slow for most" not in text, text
+    con = Console(record=True, width=200)
+    render_e2e({"model": "m", "device": "d", "vllm": "0", "engine": {"notes": notes},
+                "arms": {}, "points": []}, console=con)
+    assert "ran slow for most" in con.export_text()          # no host line: the note
     flat = _proc_samples({"vanilla": [1.0, 1.0], "aa": [1.0, 1.0]})
     [p0] = e2e.compute_points(flat, [Scenario("d", "decode", 1, 8, 9)], ["vanilla", "aa"],
                               "vanilla")

@@ -646,9 +646,12 @@ def render_e2e(doc: dict, console=None) -> None:
                   f"{escape(str(doc['device']))}, vLLM {doc['vllm']}; {eng.get('reps')} reps "
                   f"after {eng.get('warmup')} warm-up, arms alternated; ratio = {base} time / "
                   f"arm time")
-    for n in eng.get("notes") or []:
-        console.print(f"[yellow]note:[/] {escape(n)}")
+    from ..evaluate.e2e_stats import SLOW_HOST_NOTE_START
     line = host_speed_line(eng.get("host_speed"))
+    for n in eng.get("notes") or []:
+        if line and n.startswith(SLOW_HOST_NOTE_START):    # the host line says it
+            continue
+        console.print(f"[yellow]note:[/] {escape(n)}")
     if line:
         console.print(line)
     arms = [a for a in dict.fromkeys(p["arm"] for p in doc["points"])]

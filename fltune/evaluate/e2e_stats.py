@@ -344,8 +344,13 @@ def host_speed(samples: list) -> dict:
             "slow_share": round(sum(1 for x in r if x > SLOW_HOST_FACTOR) / len(r), 3)}
 
 
+#: how :func:`slow_host_note` begins: a report that states ``host.speed`` on a line of its
+#: own (``render.host_speed_line``) leaves the note out rather than say it twice
+SLOW_HOST_NOTE_START = "the host ran slow for most of the timed runs"
+
+
 def slow_host_note(speed: dict) -> str:
-    return (f"the host ran slow for most of the timed runs: its probe read "
+    return (f"{SLOW_HOST_NOTE_START}: its probe read "
             f"{speed['median_over_floor']:.2f}x its fastest at the median, "
             f"{100 * speed['slow_share']:.0f} % of runs above {SLOW_HOST_FACTOR}x (host.speed); "
             f"the wall figures here measure the host's speed as much as the arms: read "
