@@ -357,13 +357,6 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
     from the actors. ``progress(event, **kw)``: ``start`` (total, actors: their names and
     places), ``band`` / ``skip`` (op, band, winner, signature, dtype, last, actor) — the
     events of ``calibrate``'s progress, so the same renderer draws them."""
-    from dataclasses import replace
-
-    from ..ops import get_op
-    from ..store import CalibrationDB
-    from . import noise as noisemod
-    from .bands import Band, bands, max_tokens_for
-    from .race import Settings, cold_weights_unused, rotated_weights, timing_regime
     from .workload import derive
 
     t0 = time.perf_counter()
@@ -373,266 +366,439 @@ def calibrate_ray(model: str, db_path: str, *, address: Optional[str] = None,
     if ops:
         workload.restrict(ops)
     ray, started = connect(address)
-    handles: list = []
-    db = None
-    groups: list[Group] = []
-    held: dict = {}                 # band key -> (group, primary result, job) awaiting a peer
-    inflight: dict = {}             # ObjectRef -> (actor index, job, is_peer)
-    status = "failed"
     try:
-        kind, n, opts = plan(ray, device, actors)
-        settings = replace(settings or Settings(), device=kind)
-        max_tokens = max_tokens_for(kind, max_tokens)
-        band_list = bands(max_tokens)
+        s = _resolve_settings(ray, device=device, actors=actors, settings=settings,
+                              max_tokens=max_tokens, ops=ops, force=force, isolate=isolate,
+                              candidate_timeout=candidate_timeout, spread_every=spread_every)
+    except BaseException:
+        if started:                                   # nothing else has started yet
+            ray.shutdown()
+        raise
+    return _RayCalibration(ray, started, workload, db_path, s, tp=tp, progress=progress,
+                           warn=warn, t0=t0).run()
+
+
+@dataclass(frozen=True)
+class _RaySettings:
+    """:func:`calibrate_ray`'s settings, resolved against the cluster and checked by
+    :func:`_resolve_settings` before the DB is opened or any actor starts: the actors'
+    device type, number and Ray options (:func:`plan`), the race's settings on that device,
+    and the bands every table is cut into."""
+    device_type: str
+    actors: int
+    actor_options: dict
+    race: object                    # a race.Settings, its device the actors'
+    max_tokens: int
+    bands: list
+    ops: Optional[list]
+    force: bool
+    isolate: bool
+    candidate_timeout: float
+    spread_every: int
+
+    def recorded(self) -> dict:
+        """What each group's ``runs`` row stores as its settings: ``calibrate``'s (the
+        actors of the group are added beside them)."""
+        return {**self.race.recorded(), "max_tokens": self.max_tokens,
+                **({"ops": sorted(self.ops)} if self.ops else {})}
+
+
+def _resolve_settings(ray, *, device: Optional[str], actors: Optional[int], settings,
+                      max_tokens: Optional[int], ops: Optional[list], force: bool,
+                      isolate: bool, candidate_timeout: float,
+                      spread_every: int) -> _RaySettings:
+    """:func:`calibrate_ray`'s arguments resolved into :class:`_RaySettings`. A cluster
+    that cannot host the actors asked (:class:`RayError`, from :func:`plan`) or a
+    ``max_tokens`` below one is refused here: actors take minutes to start on a GPU node."""
+    from dataclasses import replace
+
+    from .bands import bands, max_tokens_for
+    from .race import Settings
+
+    kind, n, opts = plan(ray, device, actors)
+    race = replace(settings or Settings(), device=kind)
+    max_tokens = max_tokens_for(kind, max_tokens)
+    return _RaySettings(device_type=kind, actors=n, actor_options=opts, race=race,
+                        max_tokens=max_tokens, bands=bands(max_tokens), ops=ops,
+                        force=force, isolate=isolate, candidate_timeout=candidate_timeout,
+                        spread_every=spread_every)
+
+
+def _band_key(job: dict) -> tuple:
+    """A band's key among the sampled bands held for a second card (``held``)."""
+    return (job["op"], job["signature"], job["dtype"], job["hi"])
+
+
+class _RayCalibration:
+    """One call of :func:`calibrate_ray`, from the actors' start to its result: the actors
+    (``handles``, ``infos``, ``alive``, ``busy``), their groups (:class:`Group`), the bands
+    each actor holds of its table (``own``), the bands in flight (``inflight``), the sampled
+    bands waiting for a second card (``held``), and the DB the driver alone writes.
+
+    Why a class: the stages (start the actors and group them, lay out each group's tables,
+    hand out bands and collect them, write each band, end) share that state; as methods each
+    stage reads it by name and can be read on its own, where as one function they were
+    closures over ~25 local variables. ``run()`` calls them in order and, however it ends,
+    writes every held band, finishes each group's run and stops the actors (:meth:`close`)."""
+
+    def __init__(self, ray, started: bool, workload, db_path: str, settings: _RaySettings, *,
+                 tp: int, progress: Optional[Callable], warn: Callable[[str], None],
+                 t0: float):
+        self.ray, self.started = ray, started
+        self.workload, self.db_path, self.s = workload, db_path, settings
+        self.tp = tp
+        self.progress, self.warn, self.t0 = progress, warn, t0
+        self.db = None
+        self.handles: list = []
+        self.infos: list = []
+        self.groups: list[Group] = []
+        self.group_of: dict = {}        # actor index -> its Group
+        self.held: dict = {}            # band key -> (group, primary result, job) awaiting a peer
+        self.inflight: dict = {}        # ObjectRef -> (actor index, job, is_peer)
+        self.status = "failed"
+        self.failure: Optional[str] = None      # the first band that failed, in words
+        self.total = 0
+        self.skips: list = []
+        # what --cold-weights met, as calibrate keeps it (``race.cold_weights_unused``)
+        self.raced: list = []
+        self.rotated = 0
+        n = settings.actors
+        self.alive = set(range(n))
+        self.own: dict = {i: deque() for i in range(n)}      # the bands of an actor's table
+        self.busy: set = set()
+        self.counts = {i: 0 for i in range(n)}
+        self.loaded_seen: set = set()
+        self.warnings: list = []
+
+    def run(self) -> RayCalibrationResult:
+        try:
+            self.start_actors()
+            self.lay_out_tables()
+            if self.progress:
+                self.progress("start", total=self.total,
+                              actors=[inf["name"] for inf in self.infos],
+                              places=[_where(inf) for inf in self.infos])
+                for kw in self.skips:
+                    self.progress("skip", **kw)
+            for i in range(self.s.actors):
+                # the start probe of every actor, before its first band (calibrate's "start")
+                self.record_probes(i, [self.ray.get(self.handles[i].probe.remote("start"))])
+            self.measure()
+            self.end_probes()
+            if self.failure:
+                raise RayError(self.failure + "; every band that finished is saved: rerun "
+                                              "the same command to resume")
+            self.finish()
+        except KeyboardInterrupt:
+            self.status = "interrupted"
+            raise
+        finally:
+            self.close()
+        return self.result()
+
+    # ---- start: the DB, the actors, their groups and tables ----
+
+    def start_actors(self) -> None:
+        """The actors, grouped by (device key, driver, stack key): each group one kind."""
+        from ..store import CalibrationDB
+
+        s = self.s
         # a DB that cannot be used is refused before any actor starts (minutes on a GPU node)
-        db = CalibrationDB(db_path)
-        handles, infos = _start(ray, Calibrator, n, opts, (kind, isolate, candidate_timeout),
-                                "cal")
+        self.db = CalibrationDB(self.db_path)
+        self.handles, self.infos = _start(self.ray, Calibrator, s.actors, s.actor_options,
+                                          (s.device_type, s.isolate, s.candidate_timeout),
+                                          "cal")
         by_key: dict = {}
-        for i, inf in enumerate(infos):
+        for i, inf in enumerate(self.infos):
             k = (inf["device"]["device_key"], inf["device"]["driver"], inf["stack_key"])
             if k not in by_key:
                 by_key[k] = Group(inf["device"], inf["stack"], inf["stack_key"], [])
-                groups.append(by_key[k])
+                self.groups.append(by_key[k])
             by_key[k].members.append(i)
-        group_of = {i: g for g in groups for i in g.members}
-        recorded = {**settings.recorded(), "max_tokens": max_tokens,
-                    **({"ops": sorted(ops)} if ops else {})}
-        total = 0
-        skips: list = []
-        # what --cold-weights met, as calibrate keeps it (``race.cold_weights_unused``)
-        raced: list = []
-        rotated = 0
-        for g in groups:
-            db.upsert_device(g.device)
-            g.run_id = db.start_run(g.device, workload.model, workload.dtype, tp,
-                                    {**recorded, "ray": {"actors": [_where(infos[i])
-                                                                    for i in g.members]}},
-                                    g.stack, g.stack_key)
-            dk, drv, skey = g.key
-            for item in workload.items:
-                tkey = (item.op, item.signature, item.dtype)
-                table = deque()
-                for idx, band in enumerate(band_list):
-                    if item.max_tokens is not None and band.lo > item.max_tokens:
-                        continue
-                    total += 1
-                    if not force and db.has_band(dk, drv, skey, item.op, item.signature,
-                                                 item.dtype, band.hi,
-                                                 timing_regime(get_op(item.op), band,
-                                                               settings),
-                                                 get_op(item.op).context(item.dims_dict)):
-                        g.skipped += 1
-                        skips.append({"op": item.op, "band": band, "signature": item.signature,
-                                      "dtype": item.dtype, "last": False})
-                        continue
-                    table.append({"op": item.op, "dims": item.dims_dict,
-                                  "signature": item.signature, "dtype": item.dtype,
-                                  "lo": band.lo, "hi": band.hi, "run_id": g.run_id,
-                                  "weight": item.calls, "settings": settings.as_dict(),
-                                  "sample": bool(spread_every) and idx % spread_every == 0,
-                                  "table": tkey})
+        self.group_of = {i: g for g in self.groups for i in g.members}
+
+    def lay_out_tables(self) -> None:
+        """Each group's ``devices`` and ``runs`` rows, and its tables: one deque of jobs per
+        workload item, in the workload's order."""
+        recorded = self.s.recorded()
+        for g in self.groups:
+            self.db.upsert_device(g.device)
+            g.run_id = self.db.start_run(
+                g.device, self.workload.model, self.workload.dtype, self.tp,
+                {**recorded, "ray": {"actors": [_where(self.infos[i]) for i in g.members]}},
+                g.stack, g.stack_key)
+            for item in self.workload.items:
+                table = self.table(g, item)
                 if table:
                     g.tables.append(table)
-                    g.left[tkey] = len(table)
-        if progress:
-            progress("start", total=total, actors=[inf["name"] for inf in infos],
-                     places=[_where(inf) for inf in infos])
-            for kw in skips:
-                progress("skip", **kw)
-        alive = set(range(n))
-        own: dict = {i: deque() for i in range(n)}      # the bands of an actor's table
-        busy: set = set()
-        counts = {i: 0 for i in range(n)}
-        loaded_seen: set = set()
+                    g.left[(item.op, item.signature, item.dtype)] = len(table)
 
-        def record_probes(g: Group, i: int, probes: list):
-            for p in probes:
-                db.record_probe({"run_id": g.run_id, "device_key": g.device["device_key"],
-                                 "driver": g.device["driver"], **p})
-                if p.get("loaded") and i not in loaded_seen:
-                    loaded_seen.add(i)
-                    line = (f"{_where(infos[i])}: " + noisemod.warning(
-                        p["loaded"], db_path, workload.model, max_tokens, ops, tp)
-                        .replace("--force", "--force --ray"))
-                    result_warnings.append(line)
-                    warn(line)
-                elif not p.get("loaded"):
-                    loaded_seen.discard(i)
+    def table(self, g: Group, item) -> deque:
+        """``item``'s bands for group ``g``, as jobs for its actors: each band up to the
+        item's own ``max_tokens``, counted in ``total``; a band the DB already holds (for this
+        kind, stack and timing regime) is skipped unless ``force``, as ``calibrate`` resumes,
+        and every ``spread_every``-th band is marked for a second card."""
+        from ..ops import get_op
+        from .race import timing_regime
 
-        result_warnings: list = []
-        for i in range(n):
-            # the start probe of every actor, before its first band (calibrate's "start")
-            record_probes(group_of[i], i, [ray.get(handles[i].probe.remote("start"))])
+        s = self.s
+        dk, drv, skey = g.key
+        tkey = (item.op, item.signature, item.dtype)
+        table: deque = deque()
+        for idx, band in enumerate(s.bands):
+            if item.max_tokens is not None and band.lo > item.max_tokens:
+                continue
+            self.total += 1
+            if not s.force and self.db.has_band(dk, drv, skey, item.op, item.signature,
+                                                item.dtype, band.hi,
+                                                timing_regime(get_op(item.op), band, s.race),
+                                                get_op(item.op).context(item.dims_dict)):
+                g.skipped += 1
+                self.skips.append({"op": item.op, "band": band, "signature": item.signature,
+                                   "dtype": item.dtype, "last": False})
+                continue
+            table.append({"op": item.op, "dims": item.dims_dict,
+                          "signature": item.signature, "dtype": item.dtype,
+                          "lo": band.lo, "hi": band.hi, "run_id": g.run_id,
+                          "weight": item.calls, "settings": s.race.as_dict(),
+                          "sample": bool(s.spread_every) and idx % s.spread_every == 0,
+                          "table": tkey})
+        return table
 
-        def next_job(i: int):
-            g = group_of[i]
-            for k, (primary, job) in enumerate(g.peers):
-                if primary != i:
-                    del g.peers[k]
-                    return job, True
-            if own[i]:
-                return own[i].popleft(), False
-            if g.tables:
-                own[i] = g.tables.popleft()
-                return own[i].popleft(), False
-            # steal the later half of the busiest peer's remaining bands
-            donor = max((j for j in g.members if j != i and j in alive), default=None,
-                        key=lambda j: len(own[j]))
-            if donor is not None and len(own[donor]) >= 2:
-                half = len(own[donor]) // 2
-                taken = deque(list(own[donor])[-half:])
-                for _ in range(half):
-                    own[donor].pop()
-                own[i] = taken
-                return own[i].popleft(), False
-            return None, False
+    # ---- the bands: handed out, collected, written ----
 
-        def write(g: Group, res: dict, job: dict, peer: Optional[dict] = None):
-            """One band (and its peer spread, when measured) in one transaction."""
-            nonlocal rotated
-            win = res["win"]
-            spread_row = None
-            if peer is not None and win is not None:
-                a = win["median_us"]
-                b = next((r["median_us"] for r in peer["rows"]
-                          if r["impl_id"] == win["impl_id"] and r["outcome"] == "timed"
-                          and r["median_us"]), None)
-                spread = abs(a - b) / min(a, b) if a and b else None
-                g.spreads.append({"op": job["op"], "signature": job["signature"],
-                                  "dtype": job["dtype"], "band_hi": job["hi"],
-                                  "winner": win["impl_id"], "us": a, "peer_us": b,
-                                  "spread": spread})
-                if spread is not None:
-                    win = {**win, "noise": max(win.get("noise") or 0.0, spread)}
-                    timer = next((r["timer"] for r in peer["rows"]
-                                  if r["impl_id"] == win["impl_id"]), None)
-                    n_ = next((r["n"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]),
-                              None)
-                    spread_row = {"run_id": g.run_id, "device_key": g.device["device_key"],
-                                  "driver": g.device["driver"],
-                                  "phase": f"peer-spread {job['op']} [{job['signature']}] "
-                                           f"{job['dtype']} <={job['hi']} {win['impl_id']}",
-                                  "timer": _timer_name(timer), "median_us": b,
-                                  "spread": spread, "n": n_, "loadavg": None,
-                                  "cores": None, "busy_others": None, "loaded": None}
-            with db.transaction():
-                db.record_band(res["rows"], win)
-                if spread_row:
-                    db.record_probe(spread_row)
-            g.measured += 1
-            g.undecided += bool(res["undecided"])
-            raced.append((job["op"], Band(job["lo"], job["hi"])))
-            rotated += rotated_weights(res["rows"])
-            g.left[job["table"]] -= 1
-            if progress:
-                progress("band", op=job["op"], band=Band(job["lo"], job["hi"]), winner=win,
-                         signature=job["signature"], dtype=job["dtype"],
-                         last=g.left[job["table"]] == 0, actor=res.get("actor"))
-
-        def bkey(job):
-            return (job["op"], job["signature"], job["dtype"], job["hi"])
-
-        failure = None
+    def measure(self) -> None:
+        """Hand a band to every idle actor, then write what comes back, one result at a
+        time, until nothing is in flight. After a band has failed no new band is handed out:
+        those in flight are still awaited and written."""
         while True:
-            if failure is None:
-                for i in sorted(alive - busy):
-                    job, is_peer = next_job(i)
+            if self.failure is None:
+                for i in sorted(self.alive - self.busy):
+                    job, is_peer = self.next_job(i)
                     if job is None:
                         continue
-                    ref = handles[i].band.remote({**job, "peer": True} if is_peer else job)
-                    inflight[ref] = (i, job, is_peer)
-                    busy.add(i)
-            if not inflight:
+                    ref = self.handles[i].band.remote({**job, "peer": True} if is_peer
+                                                      else job)
+                    self.inflight[ref] = (i, job, is_peer)
+                    self.busy.add(i)
+            if not self.inflight:
                 break
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ready, _ = self.ray.wait(list(self.inflight), num_returns=1)
             for ref in ready:
-                i, job, is_peer = inflight.pop(ref)
-                busy.discard(i)
-                g = group_of[i]
-                try:
-                    res = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    alive.discard(i)
-                    why = str(e).strip().splitlines()[0] if str(e).strip() else "died"
-                    warn(f"warning: actor {_where(infos[i])} died ({why[:200]}); its bands go "
-                         f"to the live actors of its kind")
-                    if is_peer:
-                        write(*held.pop(bkey(job)))
-                    else:
-                        own[i].appendleft(job)          # the band in flight, then the rest
-                        if own[i]:
-                            g.tables.appendleft(own[i])
-                        own[i] = deque()
-                        # a sample waiting for this actor as its primary is still waiting
-                        # for a peer; nothing to do
-                    continue
-                except ray.exceptions.RayTaskError as e:
-                    failure = failure or (f"measuring {job['op']} [{job['signature']}] band "
-                                          f"<= {job['hi']} on {_where(infos[i])} failed: "
-                                          f"{str(e).strip().splitlines()[-1][:400]}")
-                    if is_peer:
-                        write(*held.pop(bkey(job)))
-                    continue
-                res["actor"] = _where(infos[i])
-                counts[i] += 1
-                record_probes(g, i, res.get("probes") or [])
-                if is_peer:
-                    write(*held.pop(bkey(job)), peer=res)
-                elif job["sample"] and len([j for j in g.members if j in alive]) > 1 \
-                        and res["win"] is not None:
-                    held[bkey(job)] = (g, res, job)
-                    g.peers.append((i, job))
-                else:
-                    write(g, res, job)
-            # a sample whose only possible peer died waits no longer
-            for g in groups:
-                live = [j for j in g.members if j in alive]
-                for primary, job in list(g.peers):
-                    if not any(j != primary for j in live):
-                        g.peers.remove((primary, job))
-                        write(*held.pop(bkey(job)))
-        for i in sorted(alive):
+                self.collect(ref)
+            self.release_unpaired()
+
+    def next_job(self, i: int) -> tuple:
+        """``(job, is_peer)`` for actor ``i``, or ``(None, False)`` when its group has
+        nothing for it: first another card's sampled band to race again, then the rest of
+        its own table, then an unstarted table, then the later half of the busiest peer's."""
+        g = self.group_of[i]
+        own = self.own
+        for k, (primary, job) in enumerate(g.peers):
+            if primary != i:
+                del g.peers[k]
+                return job, True
+        if own[i]:
+            return own[i].popleft(), False
+        if g.tables:
+            own[i] = g.tables.popleft()
+            return own[i].popleft(), False
+        # steal the later half of the busiest peer's remaining bands
+        donor = max((j for j in g.members if j != i and j in self.alive), default=None,
+                    key=lambda j: len(own[j]))
+        if donor is not None and len(own[donor]) >= 2:
+            half = len(own[donor]) // 2
+            taken = deque(list(own[donor])[-half:])
+            for _ in range(half):
+                own[donor].pop()
+            own[i] = taken
+            return own[i].popleft(), False
+        return None, False
+
+    def collect(self, ref) -> None:
+        """One finished band: written, held for a second card (a sampled band, while its
+        group has another live actor), or, where it failed, handed on or noted."""
+        i, job, is_peer = self.inflight.pop(ref)
+        self.busy.discard(i)
+        g = self.group_of[i]
+        try:
+            res = self.ray.get(ref)
+        except self.ray.exceptions.RayActorError as e:
+            self.actor_died(i, job, is_peer, e)
+            return
+        except self.ray.exceptions.RayTaskError as e:
+            self.failure = self.failure or (
+                f"measuring {job['op']} [{job['signature']}] band <= {job['hi']} on "
+                f"{_where(self.infos[i])} failed: {str(e).strip().splitlines()[-1][:400]}")
+            if is_peer:
+                self.write(*self.held.pop(_band_key(job)))
+            return
+        res["actor"] = _where(self.infos[i])
+        self.counts[i] += 1
+        self.record_probes(i, res.get("probes") or [])
+        if is_peer:
+            self.write(*self.held.pop(_band_key(job)), peer=res)
+        elif job["sample"] and len([j for j in g.members if j in self.alive]) > 1 \
+                and res["win"] is not None:
+            self.held[_band_key(job)] = (g, res, job)
+            g.peers.append((i, job))
+        else:
+            self.write(g, res, job)
+
+    def actor_died(self, i: int, job: dict, is_peer: bool, e: Exception) -> None:
+        """Actor ``i`` died with ``job`` in flight: a second card's re-race leaves its band
+        written as the first card measured it; its own band, then the rest of its table, go
+        back to the front of its group's tables for a live actor of the same kind."""
+        self.alive.discard(i)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else "died"
+        self.warn(f"warning: actor {_where(self.infos[i])} died ({why[:200]}); its bands go "
+                  f"to the live actors of its kind")
+        if is_peer:
+            self.write(*self.held.pop(_band_key(job)))
+        else:
+            g = self.group_of[i]
+            self.own[i].appendleft(job)          # the band in flight, then the rest
+            if self.own[i]:
+                g.tables.appendleft(self.own[i])
+            self.own[i] = deque()
+            # a sample waiting for this actor as its primary is still waiting
+            # for a peer; nothing to do
+
+    def release_unpaired(self) -> None:
+        """A sample whose only possible peer died waits no longer: written as its first
+        card measured it."""
+        for g in self.groups:
+            live = [j for j in g.members if j in self.alive]
+            for primary, job in list(g.peers):
+                if not any(j != primary for j in live):
+                    g.peers.remove((primary, job))
+                    self.write(*self.held.pop(_band_key(job)))
+
+    def write(self, g: Group, res: dict, job: dict, peer: Optional[dict] = None) -> None:
+        """One band (and its peer spread, when measured) in one transaction."""
+        from .bands import Band
+        from .race import rotated_weights
+
+        win = res["win"]
+        spread_row = None
+        if peer is not None and win is not None:
+            win, spread_row = self.peer_spread(g, win, job, peer)
+        with self.db.transaction():
+            self.db.record_band(res["rows"], win)
+            if spread_row:
+                self.db.record_probe(spread_row)
+        g.measured += 1
+        g.undecided += bool(res["undecided"])
+        self.raced.append((job["op"], Band(job["lo"], job["hi"])))
+        self.rotated += rotated_weights(res["rows"])
+        g.left[job["table"]] -= 1
+        if self.progress:
+            self.progress("band", op=job["op"], band=Band(job["lo"], job["hi"]), winner=win,
+                          signature=job["signature"], dtype=job["dtype"],
+                          last=g.left[job["table"]] == 0, actor=res.get("actor"))
+
+    def peer_spread(self, g: Group, win: dict, job: dict, peer: dict) -> tuple:
+        """``(win, spread row)``: the first card's winner, its noise raised to the relative
+        difference of its median on the second card (``peer``), and that difference as a
+        ``noise_probes`` row. Where the second card timed no such winner the spread is
+        unknown: kept in ``g.spreads`` as None, the winner as it was, and no row."""
+        a = win["median_us"]
+        b = next((r["median_us"] for r in peer["rows"]
+                  if r["impl_id"] == win["impl_id"] and r["outcome"] == "timed"
+                  and r["median_us"]), None)
+        spread = abs(a - b) / min(a, b) if a and b else None
+        g.spreads.append({"op": job["op"], "signature": job["signature"],
+                          "dtype": job["dtype"], "band_hi": job["hi"],
+                          "winner": win["impl_id"], "us": a, "peer_us": b,
+                          "spread": spread})
+        if spread is None:
+            return win, None
+        win = {**win, "noise": max(win.get("noise") or 0.0, spread)}
+        timer = next((r["timer"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]),
+                     None)
+        n_ = next((r["n"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]), None)
+        return win, {"run_id": g.run_id, "device_key": g.device["device_key"],
+                     "driver": g.device["driver"],
+                     "phase": f"peer-spread {job['op']} [{job['signature']}] "
+                              f"{job['dtype']} <={job['hi']} {win['impl_id']}",
+                     "timer": _timer_name(timer), "median_us": b,
+                     "spread": spread, "n": n_, "loadavg": None,
+                     "cores": None, "busy_others": None, "loaded": None}
+
+    def record_probes(self, i: int, probes: list) -> None:
+        """Actor ``i``'s machine probes into its group's run; a loaded machine is warned of
+        once until a probe finds it quiet again."""
+        from . import noise as noisemod
+
+        g = self.group_of[i]
+        for p in probes:
+            self.db.record_probe({"run_id": g.run_id, "device_key": g.device["device_key"],
+                                  "driver": g.device["driver"], **p})
+            if p.get("loaded") and i not in self.loaded_seen:
+                self.loaded_seen.add(i)
+                line = (f"{_where(self.infos[i])}: " + noisemod.warning(
+                    p["loaded"], self.db_path, self.workload.model, self.s.max_tokens,
+                    self.s.ops, self.tp).replace("--force", "--force --ray"))
+                self.warnings.append(line)
+                self.warn(line)
+            elif not p.get("loaded"):
+                self.loaded_seen.discard(i)
+
+    # ---- end ----
+
+    def end_probes(self) -> None:
+        """The end probe of every live actor (calibrate's "end"); one that fails is dead."""
+        for i in sorted(self.alive):
             try:
-                record_probes(group_of[i], i, [ray.get(handles[i].probe.remote("end"))])
-            except ray.exceptions.RayError:
-                alive.discard(i)
-        if failure:
-            raise RayError(failure + "; every band that finished is saved: rerun the same "
-                                     "command to resume")
-        for g in groups:
+                self.record_probes(i, [self.ray.get(self.handles[i].probe.remote("end"))])
+            except self.ray.exceptions.RayError:
+                self.alive.discard(i)
+
+    def finish(self) -> None:
+        """Each group ``done``, or ``incomplete`` where bands are missing (every actor of
+        its kind died); the --cold-weights line where the switch changed nothing."""
+        from .race import cold_weights_unused
+
+        for g in self.groups:
             g.status = "done" if not sum(g.left.values()) else "incomplete"
-        status = "done"
-        note = cold_weights_unused(settings, raced,
-                                   [(kw["op"], kw["band"]) for kw in skips], rotated)
+        self.status = "done"
+        note = cold_weights_unused(self.s.race, self.raced,
+                                   [(kw["op"], kw["band"]) for kw in self.skips], self.rotated)
         if note:
-            result_warnings.append(note)
-            warn(note)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        raise
-    finally:
-        if db is not None:
-            for held_band in list(held.values()):   # finished primaries: never lost
-                write(*held_band)
-            for g in groups:
+            self.warnings.append(note)
+            self.warn(note)
+
+    def close(self) -> None:
+        """However the run ended: every held band written (a finished primary is never
+        lost), each group's run finished (with the run's status where it did not end
+        ``done``), the DB closed, the actors stopped, and Ray shut down where this call
+        started it."""
+        if self.db is not None:
+            for held_band in list(self.held.values()):   # finished primaries: never lost
+                self.write(*held_band)
+            for g in self.groups:
                 if g.run_id:
-                    st = g.status if status == "done" else status
+                    st = g.status if self.status == "done" else self.status
                     g.status = st
-                    db.finish_run(g.run_id, st)
-            db.close()
-        if handles:
-            _stop(ray, handles)
-        if started:
-            ray.shutdown()
-    res = RayCalibrationResult(
-        str(db_path), workload.model, tp, workload.dtype, kind,
-        [{"actor": _where(inf), "name": inf["name"], "device_key": inf["device"]["device_key"],
-          "bands": counts[i], "alive": i in alive} for i, inf in enumerate(infos)],
-        [g.as_dict(infos) for g in groups], warnings=result_warnings)
-    res.incomplete = any(g["status"] != "done" for g in res.groups)
-    res.wall_s = time.perf_counter() - t0
-    return res
+                    self.db.finish_run(g.run_id, st)
+            self.db.close()
+        if self.handles:
+            _stop(self.ray, self.handles)
+        if self.started:
+            self.ray.shutdown()
+
+    def result(self) -> RayCalibrationResult:
+        infos = self.infos
+        res = RayCalibrationResult(
+            str(self.db_path), self.workload.model, self.tp, self.workload.dtype,
+            self.s.device_type,
+            [{"actor": _where(inf), "name": inf["name"],
+              "device_key": inf["device"]["device_key"], "bands": self.counts[i],
+              "alive": i in self.alive} for i, inf in enumerate(infos)],
+            [g.as_dict(infos) for g in self.groups], warnings=self.warnings)
+        res.incomplete = any(g["status"] != "done" for g in res.groups)
+        res.wall_s = time.perf_counter() - self.t0
+        return res
 
 
 def _timer_name(timer) -> Optional[str]:
