@@ -104,6 +104,24 @@ def test_two_actors_write_the_bands_of_a_single_process_calibration(single_db, s
     assert con.execute("pragma integrity_check").fetchone()[0] == "ok"
 
 
+def test_a_rerun_with_every_band_cached_ends_each_table_once(split, tmp_path):
+    """A calibration rerun on a DB that holds every band skips them all, and the progress
+    events end each table (``last``) exactly once, as ``calibrate``'s do: until session 46
+    a ``--ray`` rerun's skips never ended a table on the progress bar."""
+    import shutil
+
+    db = tmp_path / "again.db"
+    shutil.copy(split[0], db)
+    events: list = []
+    res = run_ray(db, spread_every=0, progress=lambda e, **kw: events.append((e, kw)))
+    assert res.measured == 0 and res.skipped == N_BANDS
+    skips = [kw for e, kw in events if e == "skip"]
+    assert len(skips) == N_BANDS and not [e for e, _ in events if e == "band"]
+    tables = {(kw["op"], kw["signature"], kw["dtype"]) for kw in skips}
+    ended = [(kw["op"], kw["signature"], kw["dtype"]) for kw in skips if kw["last"]]
+    assert sorted(ended) == sorted(tables)
+
+
 def test_sampled_bands_store_their_spread_between_two_actors_as_noise(split):
     db, res = split
     samples = res.groups[0]["spread_samples"]

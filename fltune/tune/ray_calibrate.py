@@ -479,7 +479,7 @@ class _RayCalibration:
                               actors=[inf["name"] for inf in self.infos],
                               places=[_where(inf) for inf in self.infos])
                 for kw in self.skips:
-                    self.progress("skip", **kw)
+                    self.progress("skip", **{k: v for k, v in kw.items() if k != "table"})
             for i in range(self.s.actors):
                 # the start probe of every actor, before its first band (calibrate's "start")
                 self.record_probes(i, [self.ray.get(self.handles[i].probe.remote("start"))])
@@ -555,7 +555,7 @@ class _RayCalibration:
                                                 get_op(item.op).context(item.dims_dict)):
                 g.skipped += 1
                 self.skips.append({"op": item.op, "band": band, "signature": item.signature,
-                                   "dtype": item.dtype, "last": False})
+                                   "dtype": item.dtype, "last": False, "table": tkey})
                 continue
             table.append({"op": item.op, "dims": item.dims_dict,
                           "signature": item.signature, "dtype": item.dtype,
@@ -563,6 +563,10 @@ class _RayCalibration:
                           "weight": item.calls, "settings": s.race.as_dict(),
                           "sample": bool(s.spread_every) and idx % s.spread_every == 0,
                           "table": tkey})
+        if not table and self.skips and self.skips[-1]["table"] == tkey:
+            # every band of the table cached: its last skip ends the table on the progress
+            # bar, as calibrate's does (a measured band's "last" does so otherwise)
+            self.skips[-1]["last"] = True
         return table
 
     # ---- the bands: handed out, collected, written ----
