@@ -707,9 +707,10 @@ class _RayCalibration:
         ``noise_probes`` row. Where the second card timed no such winner the spread is
         unknown: kept in ``g.spreads`` as None, the winner as it was, and no row."""
         a = win["median_us"]
-        b = next((r["median_us"] for r in peer["rows"]
-                  if r["impl_id"] == win["impl_id"] and r["outcome"] == "timed"
-                  and r["median_us"]), None)
+        # the second card's row of that winner: its median, timer and n read from the one row
+        row = next((r for r in peer["rows"] if r["impl_id"] == win["impl_id"]
+                    and r["outcome"] == "timed" and r["median_us"]), None)
+        b = row["median_us"] if row else None
         spread = abs(a - b) / min(a, b) if a and b else None
         g.spreads.append({"op": job["op"], "signature": job["signature"],
                           "dtype": job["dtype"], "band_hi": job["hi"],
@@ -718,15 +719,12 @@ class _RayCalibration:
         if spread is None:
             return win, None
         win = {**win, "noise": max(win.get("noise") or 0.0, spread)}
-        timer = next((r["timer"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]),
-                     None)
-        n_ = next((r["n"] for r in peer["rows"] if r["impl_id"] == win["impl_id"]), None)
         return win, {"run_id": g.run_id, "device_key": g.device["device_key"],
                      "driver": g.device["driver"],
                      "phase": f"peer-spread {job['op']} [{job['signature']}] "
                               f"{job['dtype']} <={job['hi']} {win['impl_id']}",
-                     "timer": _timer_name(timer), "median_us": b,
-                     "spread": spread, "n": n_, "loadavg": None,
+                     "timer": _timer_name(row.get("timer")), "median_us": b,
+                     "spread": spread, "n": row.get("n"), "loadavg": None,
                      "cores": None, "busy_others": None, "loaded": None}
 
     def record_probes(self, i: int, probes: list) -> None:
