@@ -143,6 +143,24 @@ def test_sampled_bands_store_their_spread_between_two_actors_as_noise(split):
                                             min(s["us"], s["peer_us"]))
 
 
+def test_an_actor_dead_before_its_first_band_leaves_the_run_to_the_others(cluster, tmp_path):
+    """An actor lost between its start and its start probe (a node gone meanwhile) is left
+    out with a warning, and the live one measures every band: until session 46 the probe's
+    Ray error ended the whole run."""
+    names, warned = [], []
+
+    def progress(event, **kw):
+        if event == "start":
+            names.extend(kw["actors"])
+            kill(ray.get_actor(names[0]))           # after the start, before the probes
+
+    res = run_ray(tmp_path / "early.db", spread_every=0, progress=progress, warn=warned.append)
+    assert not res.incomplete and res.measured == N_BANDS
+    assert [a["alive"] for a in res.actors] == [False, True]
+    assert [a["bands"] for a in res.actors] == [0, N_BANDS]
+    assert any("died" in w and res.actors[0]["actor"] in w for w in warned), warned
+
+
 def test_cold_weights_on_cpu_actors_says_it_changed_nothing(cluster, tmp_path):
     # the actors' device decides (CPU here): the run's warnings carry the one line
     # calibrate prints (race.cold_weights_unused), and it is handed to warn at once

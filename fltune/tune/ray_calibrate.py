@@ -480,9 +480,7 @@ class _RayCalibration:
                               places=[_where(inf) for inf in self.infos])
                 for kw in self.skips:
                     self.progress("skip", **{k: v for k, v in kw.items() if k != "table"})
-            for i in range(self.s.actors):
-                # the start probe of every actor, before its first band (calibrate's "start")
-                self.record_probes(i, [self.ray.get(self.handles[i].probe.remote("start"))])
+            self.start_probes()
             self.measure()
             self.end_probes()
             if self.failure:
@@ -649,14 +647,30 @@ class _RayCalibration:
         else:
             self.write(g, res, job)
 
-    def actor_died(self, i: int, job: dict, is_peer: bool, e: Exception) -> None:
-        """Actor ``i`` died with ``job`` in flight: a second card's re-race leaves its band
-        written as the first card measured it; its own band, then the rest of its table, go
-        back to the front of its group's tables for a live actor of the same kind."""
+    def start_probes(self) -> None:
+        """Every actor's start probe, before its first band (calibrate's "start"). An actor
+        that died since it started (a node lost meanwhile) is one the run goes on without,
+        as when it dies mid-band: it holds no band yet, so there is nothing to hand on."""
+        for i in range(self.s.actors):
+            try:
+                probe = self.ray.get(self.handles[i].probe.remote("start"))
+            except self.ray.exceptions.RayActorError as e:
+                self.lose_actor(i, e)
+                continue
+            self.record_probes(i, [probe])
+
+    def lose_actor(self, i: int, e: Exception) -> None:
+        """Actor ``i`` is dead: no band goes to it again, and the user is told why."""
         self.alive.discard(i)
         why = str(e).strip().splitlines()[0] if str(e).strip() else "died"
         self.warn(f"warning: actor {_where(self.infos[i])} died ({why[:200]}); its bands go "
                   f"to the live actors of its kind")
+
+    def actor_died(self, i: int, job: dict, is_peer: bool, e: Exception) -> None:
+        """Actor ``i`` died with ``job`` in flight: a second card's re-race leaves its band
+        written as the first card measured it; its own band, then the rest of its table, go
+        back to the front of its group's tables for a live actor of the same kind."""
+        self.lose_actor(i, e)
         if is_peer:
             self.write(*self.held.pop(_band_key(job)))
         else:
