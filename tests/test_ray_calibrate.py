@@ -370,3 +370,22 @@ def test_an_address_where_no_cluster_answers_is_one_line_not_a_hang(tmp_path):
                                                         "nothing answers there")
     assert "ray start --head" in p.stderr and "Traceback" not in p.stderr
     assert not db.exists()
+
+
+def test_a_held_band_that_cannot_be_saved_does_not_hide_the_runs_error(tmp_path):
+    """``_RayCalibration.close`` runs however the run ended, and writes the sampled bands
+    still held for a second card. Where that write fails too (the DB itself broken: here a
+    band whose rows the DB refuses), it warns and goes on closing, so the error that ended
+    the run is the one the user sees; no Ray needed (the actors are already gone)."""
+    from fltune.store import CalibrationDB
+
+    run = rc._RayCalibration.__new__(rc._RayCalibration)
+    warned: list = []
+    run.db, run.warn, run.groups, run.handles, run.started = (
+        CalibrationDB(str(tmp_path / "c.db")), warned.append, [], [], False)
+    run.status = "failed"
+    job = {"op": "rms_norm", "signature": "h=8", "dtype": "float16", "hi": 4}
+    run.held = {rc._band_key(job): (None, {"rows": [{"not": "a row"}], "win": None}, job)}
+    run.close()
+    assert len(warned) == 1 and "rms_norm [h=8] float16 <= 4" in warned[0]
+    assert "could not be saved" in warned[0]

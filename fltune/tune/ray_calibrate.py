@@ -790,8 +790,14 @@ class _RayCalibration:
         ``done``), the DB closed, the actors stopped, and Ray shut down where this call
         started it."""
         if self.db is not None:
-            for held_band in list(self.held.values()):   # finished primaries: never lost
-                self.write(*held_band)
+            for key, held_band in list(self.held.items()):   # finished primaries: never lost
+                try:
+                    self.write(*held_band)
+                except Exception as e:      # noqa: BLE001 - the run's own error goes first
+                    # where the DB itself failed (disk full, locked), raising here would
+                    # hide the error that ended the run; the band is lost and said so
+                    self.warn(f"warning: band {key[0]} [{key[1]}] {key[2]} <= {key[3]} was "
+                              f"measured but could not be saved: {e}")
             for g in self.groups:
                 if g.run_id:
                     st = g.status if self.status == "done" else self.status
