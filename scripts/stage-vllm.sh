@@ -9,6 +9,12 @@
 # last call also carries .whl, ~7 MiB, so that folder is cut smaller; session 18: 6 left under 16 MiB a call beside a 36 MiB checkout, 4 fitted it in 17 calls; session 19
 # gzipped the big raw results: a 27 MiB checkout, 12 calls).
 #
+# Budget (session 46): a device call that finds no machine is not free. A refusal that
+# tried to start one cost 90-180 s of the session's 30 minutes (a refusal inside the
+# "none is tried" window, 15 s); eleven tries over 70 minutes spent 1150 s and got none.
+# Staging costs ~100-250 s and a measuring call up to 600: below ~800 s left, a lent
+# machine can no longer stage and measure, so stop trying there and say so.
+#
 # Run here, in the checkout, where pip reaches PyPI (downloads ~330 MB once into .vstage/):
 #   scripts/stage-vllm.sh            # prints the calls to make back to back on a warm machine
 set -euo pipefail
