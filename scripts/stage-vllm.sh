@@ -11,7 +11,8 @@
 #
 # Budget (session 46): a device call that finds no machine is not free. A refusal that
 # tried to start one cost 90-180 s of the session's 30 minutes (a refusal inside the
-# "none is tried" window, 15 s); eleven tries over 70 minutes spent 1150 s and got none.
+# "none is tried" window, 15 s); twenty calls over 85 minutes (ten of them tries to
+# start one) spent 1156 s and got none.
 # Staging costs ~100-250 s and a measuring call up to 600: below ~800 s left, a lent
 # machine can no longer stage and measure, so stop trying there and say so.
 #
