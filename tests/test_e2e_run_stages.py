@@ -90,6 +90,7 @@ class FakeWorker:
         self.p.returncode = 0
         self.log.close()
         if self.counters_file:
+            os.makedirs(os.path.dirname(self.counters_file), exist_ok=True)
             with open(self.counters_file, "w") as f:
                 json.dump({"fingerprint": "f", "counters": {"rms_norm": {"flagos": self.timed}},
                            "rerouted": {"rms_norm": {"flagos -> native": 1}}}, f)
@@ -179,7 +180,14 @@ def test_a_routed_arms_counters_add_up_over_its_generations(fake_cuda, tmp_path)
     record sums them (three generations: every timed call counted, each generation's
     reroute too), not the last generation's alone (until session 46 a generations run
     reported its last generation's routed calls alone)."""
-    arms = [Arm("vanilla", {}), Arm("routed", {"FLTUNE_ROUTE": "all"})]
+    own = tmp_path / "mine" / "counters.json"          # an arm that names its own file
+    arms = [Arm("vanilla", {}), Arm("routed", {"FLTUNE_ROUTE": "all"}),
+            Arm("named", {"FLTUNE_ROUTE": "all", "FLTUNE_COUNTERS_FILE": str(own)})]
+    # an earlier run's files in the same --out folder are not this run's calls
+    for stale in ("g0", "g7"):
+        (tmp_path / "run" / stale).mkdir(parents=True)
+        (tmp_path / "run" / stale / "counters-routed.json").write_text(json.dumps(
+            {"counters": {"rms_norm": {"flagos": 100}}}))
     res = e2e.run_e2e("m", arms, SCENARIO, reps=3, warmup=1, generations=3,
                       device_type="cuda", pinning="off", kernel_profile=False,
                       out_dir=str(tmp_path / "run"))
@@ -191,6 +199,10 @@ def test_a_routed_arms_counters_add_up_over_its_generations(fake_cuda, tmp_path)
     assert got["rerouted"] == {"rms_norm": {"flagos -> native": 3}}
     assert sorted(os.listdir(tmp_path / "run" / "g0")) == ["counters-routed.json"]
     assert res.arms_info["vanilla"]["counters"] is None
+    # the arm's own file stays where it named it: the last worker's, as the plugin wrote it
+    last = [n for (arm, _), n in FakeWorker.timed_calls.items() if arm == "named"][-1]
+    assert res.arms_info["named"]["counters"]["counters"] == {"rms_norm": {"flagos": last}}
+    assert own.is_file()
 
 
 def test_a_generation_that_would_not_fit_the_time_limit_ends_the_run_cleanly(fake_cuda,

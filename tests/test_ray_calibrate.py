@@ -373,19 +373,31 @@ def test_an_address_where_no_cluster_answers_is_one_line_not_a_hang(tmp_path):
 
 
 def test_a_held_band_that_cannot_be_saved_does_not_hide_the_runs_error(tmp_path):
-    """``_RayCalibration.close`` runs however the run ended, and writes the sampled bands
-    still held for a second card. Where that write fails too (the DB itself broken: here a
-    band whose rows the DB refuses), it warns and goes on closing, so the error that ended
-    the run is the one the user sees; no Ray needed (the actors are already gone)."""
+    """``_RayCalibration.close`` runs however the run ended: it writes the sampled bands
+    still held for a second card, then marks each group's run. After an error, where the
+    DB fails too (here its connection already closed under it, as a broken file would),
+    each step is warned of and closing goes on, so the error that ended the run is the one
+    the user sees; a run that ended well still raises it. No Ray needed (no actors)."""
+    import sqlite3
+
     from fltune.store import CalibrationDB
 
-    run = rc._RayCalibration.__new__(rc._RayCalibration)
-    warned: list = []
-    run.db, run.warn, run.groups, run.handles, run.started = (
-        CalibrationDB(str(tmp_path / "c.db")), warned.append, [], [], False)
-    run.status = "failed"
-    job = {"op": "rms_norm", "signature": "h=8", "dtype": "float16", "hi": 4}
-    run.held = {rc._band_key(job): (None, {"rows": [{"not": "a row"}], "win": None}, job)}
-    run.close()
-    assert len(warned) == 1 and "rms_norm [h=8] float16 <= 4" in warned[0]
-    assert "could not be saved" in warned[0]
+    def broken_run():
+        run = rc._RayCalibration.__new__(rc._RayCalibration)
+        warned: list = []
+        run.db, run.warn, run.handles, run.started = (
+            CalibrationDB(str(tmp_path / "c.db")), warned.append, [], False)
+        run.db.close()                                          # the DB gone under it
+        run.status = "failed"
+        run.groups = [rc.Group({"device_key": "k", "driver": "d"}, {}, "s", [0], run_id=3)]
+        job = {"op": "rms_norm", "signature": "h=8", "dtype": "float16", "hi": 4}
+        run.held = {rc._band_key(job): (run.groups[0], {"rows": [], "win": None}, job)}
+        return run, warned
+
+    run, warned = broken_run()
+    run.close(after_error=True)
+    assert "rms_norm [h=8] float16 <= 4 was measured but could not be saved" in warned[0]
+    assert "run 3 could not be marked failed" in warned[1] and len(warned) >= 2
+    run, warned = broken_run()
+    with pytest.raises(sqlite3.Error):
+        run.close(after_error=False)

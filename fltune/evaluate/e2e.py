@@ -958,6 +958,8 @@ class _Run:
         self.fresh_dirs.extend(made.values())
         info = {"env": dict(arm.env), "log": os.path.join(self.work, f"worker-{arm.name}.log"),
                 "counters_file": env.get("FLTUNE_COUNTERS_FILE"), "started": False,
+                # the instrument's own file (not one the arm named): kept per generation
+                "counters_kept": "FLTUNE_COUNTERS_FILE" in add,
                 "cores": sorted(cores) if cores else None}
         if made:
             info["fresh_dirs"] = made
@@ -1283,7 +1285,8 @@ class _Run:
             info = arms_info[a.name]
             os.replace(info["log"], os.path.join(self.work, f"worker-{a.name}.g{gen - 1}.log"))
             info.pop("start_s", None)
-            keep_generation_counters(info.get("counters_file"), self.work, gen - 1)
+            if info.get("counters_kept"):
+                keep_generation_counters(info["counters_file"], self.work, gen - 1)
         states = {a.name: (arms_info[a.name].get("compile") or {}).get("state")
                   for a in live}
         for wave in generation_waves(live, states, self.s.parallel_start):
@@ -1431,8 +1434,9 @@ class _Run:
         the workers reported: counters, notes, the host's speed and clock, the points."""
         s, host, notes = self.s, self.host, self.notes
         for name, info in self.arms_info.items():
-            info["counters"], by_proc = read_generations_counters(info.get("counters_file"),
-                                                                  self.work)
+            info["counters"], by_proc = read_generations_counters(
+                info.get("counters_file"), self.work,
+                len(self.gens_rec.get("restarts") or []) if info.get("counters_kept") else 0)
             if by_proc is not None:
                 info["counters_by_process"] = by_proc
         if s.procs > 1:
@@ -1716,17 +1720,20 @@ def keep_generation_counters(path: str | None, work: str, gen: int) -> None:
     last generation's alone, a fraction of the routed calls the samples ran through."""
     import glob
 
+    def files(p: str) -> list:
+        if "{pid}" in p:
+            head, tail = p.split("{pid}", 1)
+            return glob.glob(glob.escape(head) + "*" + glob.escape(tail))
+        return [p] if os.path.exists(p) else []
+
     if not path:
         return
-    if "{pid}" in path:
-        head, tail = path.split("{pid}", 1)
-        found = glob.glob(glob.escape(head) + "*" + glob.escape(tail))
-    else:
-        found = [path] if os.path.exists(path) else []
-    if not found:
-        return
     dest = generation_dir(work, gen)
-    os.makedirs(dest, exist_ok=True)
+    for stale in files(os.path.join(dest, os.path.basename(path))):   # an earlier run's
+        os.remove(stale)
+    found = files(path)
+    if found:
+        os.makedirs(dest, exist_ok=True)
     for f in found:
         os.replace(f, os.path.join(dest, os.path.basename(f)))
 
@@ -1740,20 +1747,19 @@ def _sum_calls(a: dict | None, b: dict | None) -> dict:
     return out
 
 
-def read_generations_counters(path: str | None, work: str):
-    """(counters, by_process) over every generation of a run: :func:`read_counters` of
-    each generation's files (those :func:`keep_generation_counters` moved, then the live
-    path, the last generation's), the routed and rerouted calls summed, the rest of the
-    record (fingerprint, routes) the last generation's; ``counters["generations"]`` says
-    how many were summed. A run without generations reads as :func:`read_counters`."""
+def read_generations_counters(path: str | None, work: str, restarts: int):
+    """(counters, by_process) over the run's generations: :func:`read_counters` of the
+    files :func:`keep_generation_counters` moved for each of the run's ``restarts``
+    (``g0`` .. ``g<restarts-1>``: only this run's, though ``work`` may hold an earlier
+    run's), then of the live path (the last generation's); the routed and rerouted calls
+    summed, the rest of the record (fingerprint, routes) the last generation's.
+    ``counters["generations"]`` says how many files were summed (a worker that failed to
+    restart leaves none, or one with no calls). ``restarts`` 0 (no generations, or a
+    counters file the arm named itself, left where it is) reads as :func:`read_counters`."""
     if not path:
         return None, None
-    import glob
-
-    earlier = sorted((d for d in glob.glob(os.path.join(glob.escape(work), "g*"))
-                      if os.path.basename(d)[1:].isdigit() and os.path.isdir(d)),
-                     key=lambda d: int(os.path.basename(d)[1:]))
-    reads = [read_counters(os.path.join(d, os.path.basename(path))) for d in earlier]
+    reads = [read_counters(os.path.join(generation_dir(work, g), os.path.basename(path)))
+             for g in range(restarts)]
     reads.append(read_counters(path))
     if len(reads) == 1:
         return reads[0]

@@ -408,8 +408,9 @@ def _resolve_settings(ray, *, device: Optional[str], actors: Optional[int], sett
                       isolate: bool, candidate_timeout: float,
                       spread_every: int) -> _RaySettings:
     """:func:`calibrate_ray`'s arguments resolved into :class:`_RaySettings`. A cluster
-    that cannot host the actors asked (:class:`RayError`, from :func:`plan`) or a
-    ``max_tokens`` below one is refused here: actors take minutes to start on a GPU node."""
+    that cannot host the actors asked (:class:`RayError`, from :func:`plan`) is refused
+    here, as ``max_tokens_for`` refuses a negative ``max_tokens`` (0 or None: the
+    device's default): actors take minutes to start on a GPU node."""
     from dataclasses import replace
 
     from .bands import bands, max_tokens_for
@@ -487,11 +488,12 @@ class _RayCalibration:
                 raise RayError(self.failure + "; every band that finished is saved: rerun "
                                               "the same command to resume")
             self.finish()
-        except KeyboardInterrupt:
-            self.status = "interrupted"
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                self.status = "interrupted"
+            self.close(after_error=True)
             raise
-        finally:
-            self.close()
+        self.close(after_error=False)
         return self.result()
 
     # ---- start: the DB, the actors, their groups and tables ----
@@ -784,30 +786,40 @@ class _RayCalibration:
             self.warnings.append(note)
             self.warn(note)
 
-    def close(self) -> None:
+    def close(self, after_error: bool) -> None:
         """However the run ended: every held band written (a finished primary is never
         lost), each group's run finished (with the run's status where it did not end
-        ``done``), the DB closed, the actors stopped, and Ray shut down where this call
-        started it."""
-        if self.db is not None:
-            for key, held_band in list(self.held.items()):   # finished primaries: never lost
-                try:
-                    self.write(*held_band)
-                except Exception as e:      # noqa: BLE001 - the run's own error goes first
-                    # where the DB itself failed (disk full, locked), raising here would
-                    # hide the error that ended the run; the band is lost and said so
-                    self.warn(f"warning: band {key[0]} [{key[1]}] {key[2]} <= {key[3]} was "
-                              f"measured but could not be saved: {e}")
-            for g in self.groups:
-                if g.run_id:
-                    st = g.status if self.status == "done" else self.status
-                    g.status = st
-                    self.db.finish_run(g.run_id, st)
-            self.db.close()
-        if self.handles:
-            _stop(self.ray, self.handles)
-        if self.started:
-            self.ray.shutdown()
+        ``done``), the DB closed, then, whatever those did, the actors stopped and Ray shut
+        down where this call started it. ``after_error``: the run is already ending with
+        an error, so a DB step that fails too (the DB itself broken: disk full, locked) is
+        warned of and the rest goes on; raising it would hide the error that ended the run."""
+        try:
+            if self.db is not None:
+                for what, step in self.closing_steps():
+                    if not after_error:
+                        step()
+                        continue
+                    try:
+                        step()
+                    except Exception as e:      # noqa: BLE001 - the run's own error first
+                        self.warn(f"warning: {what}: {e}")
+        finally:
+            if self.handles:
+                _stop(self.ray, self.handles)
+            if self.started:
+                self.ray.shutdown()
+
+    def closing_steps(self) -> list:
+        """:meth:`close`'s DB steps, in order, each ``(what a failure lost, call)``."""
+        steps = [(f"band {key[0]} [{key[1]}] {key[2]} <= {key[3]} was measured but could "
+                  f"not be saved", lambda held_band=held_band: self.write(*held_band))
+                 for key, held_band in list(self.held.items())]
+        for g in self.groups:
+            if g.run_id:
+                g.status = g.status if self.status == "done" else self.status
+                steps.append((f"run {g.run_id} could not be marked {g.status}",
+                              lambda g=g: self.db.finish_run(g.run_id, g.status)))
+        return steps + [("the DB could not be closed", self.db.close)]
 
     def result(self) -> RayCalibrationResult:
         infos = self.infos
