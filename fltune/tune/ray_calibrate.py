@@ -480,7 +480,7 @@ class _RayCalibration:
                               actors=[inf["name"] for inf in self.infos],
                               places=[_where(inf) for inf in self.infos])
                 for kw in self.skips:
-                    self.progress("skip", **{k: v for k, v in kw.items() if k != "table"})
+                    self.progress("skip", **kw)
             self.start_probes()
             self.measure()
             self.end_probes()
@@ -544,6 +544,7 @@ class _RayCalibration:
         s = self.s
         dk, drv, skey = g.key
         tkey = (item.op, item.signature, item.dtype)
+        skipped_before = g.skipped
         table: deque = deque()
         for idx, band in enumerate(s.bands):
             if item.max_tokens is not None and band.lo > item.max_tokens:
@@ -555,7 +556,7 @@ class _RayCalibration:
                                                 get_op(item.op).context(item.dims_dict)):
                 g.skipped += 1
                 self.skips.append({"op": item.op, "band": band, "signature": item.signature,
-                                   "dtype": item.dtype, "last": False, "table": tkey})
+                                   "dtype": item.dtype, "last": False})
                 continue
             table.append({"op": item.op, "dims": item.dims_dict,
                           "signature": item.signature, "dtype": item.dtype,
@@ -563,7 +564,7 @@ class _RayCalibration:
                           "weight": item.calls, "settings": s.race.as_dict(),
                           "sample": bool(s.spread_every) and idx % s.spread_every == 0,
                           "table": tkey})
-        if not table and self.skips and self.skips[-1]["table"] == tkey:
+        if not table and g.skipped > skipped_before:
             # every band of the table cached: its last skip ends the table on the progress
             # bar, as calibrate's does (a measured band's "last" does so otherwise)
             self.skips[-1]["last"] = True
